@@ -1,0 +1,35 @@
+"""Decoder block: x = x + MLA(RMSNorm(x)); x = x + FFN(RMSNorm(x)), FFN dense or MoE."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from k2jax.config import K2Config
+from k2jax.nn.mla import MLA
+from k2jax.nn.mlp import MLP
+from k2jax.nn.moe import MoE
+from k2jax.nn.norm import RMSNorm
+
+
+class DecoderBlock(nn.Module):
+    """(x [B, T, D], positions [B, T], mask [B, T, S]) -> (x [B, T, D], None); the pair form suits nn.scan."""
+
+    cfg: K2Config
+    moe: bool
+    param_dtype: jnp.dtype = jnp.float32
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS):
+        cfg, dt = self.cfg, self.param_dtype
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
+        h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
+        x_BTD = x_BTD + MLA(cfg, dt, name="self_attn")(h_BTD, positions_BT, mask_BTS)
+        h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)
+        if self.moe:
+            ffn = MoE(cfg, dt, self.moe_impl, name="mlp")
+        else:
+            ffn = MLP(cfg.intermediate_size, dt, name="mlp")
+        x_BTD = x_BTD + ffn(h_BTD)
+        return nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed")), None

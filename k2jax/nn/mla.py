@@ -1,0 +1,76 @@
+"""Multi-head latent attention (MLA), the steps of the design card in order.
+
+Letters: B batch, T query positions, S key positions, D model, N heads, Q q_lora_rank, R kv_lora_rank,
+C = R + P (kv_a output), K nope head dim, P rope head dim, H = K + P (q/k head dim), V value head dim.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k2jax.config import K2Config
+from k2jax.nn.common import einsum, param
+from k2jax.nn.norm import RMSNorm
+from k2jax.nn.rope import apply_rope
+
+_NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
+
+
+class MLA(nn.Module):
+    """x [B, T, D], positions [B, T], mask [B, T, S] (True = may attend) -> [B, T, D]."""
+
+    cfg: K2Config
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS):
+        cfg, dt = self.cfg, self.param_dtype
+        D, N = cfg.hidden_size, cfg.num_attention_heads
+        K, P, V, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+
+        # Queries: low-rank (W_DQ, norm, W_UQ) or one projection when q_lora_rank is null.
+        if cfg.q_lora_rank is not None:
+            Q = cfg.q_lora_rank
+            cq_BTQ = einsum("BTD,DQ->BTQ", x_BTD, param(self, "q_a_proj", (D, Q), ("embed", "q_lora"), dt))
+            cq_BTQ = RMSNorm(1e-6, dt, "q_lora", name="q_a_layernorm")(cq_BTQ)
+            w_q_QNH = param(self, "q_b_proj", (Q, N, K + P), ("q_lora", "heads", "head_dim"), dt)
+            q_BTNH = einsum("BTQ,QNH->BTNH", cq_BTQ, w_q_QNH)
+        else:
+            w_q_DNH = param(self, "q_proj", (D, N, K + P), ("embed", "heads", "head_dim"), dt)
+            q_BTNH = einsum("BTD,DNH->BTNH", x_BTD, w_q_DNH)
+        q_nope_BTNK, q_pe_BTNP = q_BTNH[..., :K], q_BTNH[..., K:]
+
+        # Keys and values: one shared latent ckv (normalised) and one shared rotary key k_pe.
+        w_kv_a_DC = param(self, "kv_a_proj_with_mqa", (D, R + P), ("embed", "kv_lora"), dt)
+        kv_a_BSC = einsum("BSD,DC->BSC", x_BTD, w_kv_a_DC)
+        ckv_BSR = RMSNorm(1e-6, dt, "kv_lora", name="kv_a_layernorm")(kv_a_BSC[..., :R])
+        k_pe_BSP = kv_a_BSC[..., R:]
+
+        q_pe_BTNP = apply_rope(q_pe_BTNP, positions_BT, cfg)
+        k_pe_BSP = apply_rope(k_pe_BSP[:, :, None, :], positions_BT, cfg)[:, :, 0, :]
+
+        w_kv_b_RNX = param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt)
+        w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
+        out_BTNV = attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS,
+                                   cfg.softmax_scale)
+        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD)
+
+
+def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
+    """Attention with keys and values expanded per head from the latent (W_UK, W_UV applied to ckv).
+
+    Returns the per-head outputs [B, T, N, V]. Scores and softmax in float32.
+    """
+    K = q_nope_BTNK.shape[-1]
+    kv_BSNX = einsum("BSR,RNX->BSNX", ckv_BSR, w_kv_b_RNX)
+    k_nope_BSNK, v_BSNV = kv_BSNX[..., :K], kv_BSNX[..., K:]
+    scores_BNTS = (
+        jnp.einsum("BTNK,BSNK->BNTS", q_nope_BTNK, k_nope_BSNK, preferred_element_type=jnp.float32)
+        + jnp.einsum("BTNP,BSP->BNTS", q_pe_BTNP, k_pe_BSP, preferred_element_type=jnp.float32)
+    ) * scale
+    scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
+    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1).astype(v_BSNV.dtype)
+    return jnp.einsum("BNTS,BSNV->BTNV", probs_BNTS, v_BSNV,
+                      preferred_element_type=jnp.float32).astype(v_BSNV.dtype)

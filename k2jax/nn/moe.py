@@ -1,0 +1,186 @@
+"""Mixture of experts: sigmoid router with grouped top-k (noaux_tc), routed SwiGLU experts, shared experts.
+
+Letters: T tokens (batch and positions flattened), D model, E routed experts, K top-k, F expert hidden,
+M = T*K (token, expert) assignments, G expert groups.
+
+Two ways to run the routed experts, with the same parameters:
+- `moe_dense`: every expert on every token, masked by the router weights. Obviously correct, E/K times the
+  work; the reference the fast path is tested against.
+- `moe_grouped`: dropless dispatch. Assignments are sorted by expert and each expert's rows run through its
+  own weights only. On XLA:CPU (no real ragged_dot kernel) the rows are padded per expert to whole tiles and
+  a scan visits the tiles, each one a small dense SwiGLU with that tile's expert; on GPU/TPU the same sorted
+  rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k2jax.config import K2Config
+from k2jax.nn.common import param
+from k2jax.nn.mlp import MLP
+
+MOE_IMPLS = ("auto", "dense", "tiled", "ragged")
+
+
+class Router(nn.Module):
+    """Sigmoid scores, bias-corrected grouped top-k choice, weights from the unbiased scores.
+
+    x [T, D] -> (topk_idx [T, K] int32, topk_weight [T, K] float32). All in float32.
+    """
+
+    cfg: K2Config
+
+    @nn.compact
+    def __call__(self, x_TD):
+        cfg = self.cfg
+        E = cfg.n_routed_experts
+        # Kept in float32 whatever the model's dtype, as transformers does (the release's bf16 values
+        # convert exactly); the bias only shifts which experts win.
+        w_DE = param(self, "kernel", (x_TD.shape[-1], E), ("embed", "router_experts"), jnp.float32)
+        bias_E = param(self, "e_score_correction_bias", (E,), ("router_experts",), jnp.float32,
+                       nn.initializers.zeros)
+        logits_TE = jnp.einsum("TD,DE->TE", x_TD.astype(jnp.float32), w_DE.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+        return route(logits_TE, bias_E, cfg)
+
+
+def route(logits_TE, bias_E, cfg: K2Config):
+    """noaux_tc routing from float32 router logits [T, E]; see Router."""
+    T, E = logits_TE.shape
+    G, K = cfg.n_group, cfg.num_experts_per_tok
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    choice_TE = scores_TE + bias_E
+    if G > 1:
+        # A group's score is the sum of its two best biased scores; experts outside the best topk_group
+        # groups are excluded with -inf (transformers; the released remote code writes 0.0).
+        choice_TGe = choice_TE.reshape(T, G, E // G)
+        group_TG = jax.lax.top_k(choice_TGe, 2)[0].sum(-1)
+        keep_idx = jax.lax.top_k(group_TG, cfg.topk_group)[1]
+        keep_TG = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep_idx].set(True)
+        choice_TE = jnp.where(keep_TG[:, :, None], choice_TGe, -jnp.inf).reshape(T, E)
+    _, idx_TK = jax.lax.top_k(choice_TE, K)
+    weight_TK = jnp.take_along_axis(scores_TE, idx_TK, axis=-1)  # unbiased scores weigh the outputs
+    if cfg.norm_topk_prob:
+        weight_TK = weight_TK / (weight_TK.sum(-1, keepdims=True) + 1e-20)
+    return idx_TK.astype(jnp.int32), weight_TK * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """The routed experts' stacked weights: gate/up [E, D, F], down [E, F, D]."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        E, D, F, dt = self.num_experts, self.hidden_size, self.intermediate_size, self.param_dtype
+        return (param(self, "gate_proj", (E, D, F), ("experts", "embed", "expert_mlp"), dt),
+                param(self, "up_proj", (E, D, F), ("experts", "embed", "expert_mlp"), dt),
+                param(self, "down_proj", (E, F, D), ("experts", "expert_mlp", "embed"), dt))
+
+
+class MoE(nn.Module):
+    """x [B, T, D] -> [B, T, D]: Σ_k w_k · Expert_k(x) + SharedExperts(x)."""
+
+    cfg: K2Config
+    param_dtype: jnp.dtype = jnp.float32
+    impl: str = "auto"  # one of MOE_IMPLS
+    tile: int = 64  # rows per tile of the CPU grouped path
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        idx_TK, weight_TK = Router(cfg, name="gate")(x_TD)
+        w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
+        impl = self.impl
+        if impl == "auto":
+            impl = "tiled" if jax.default_backend() == "cpu" else "ragged"
+        if impl == "dense":
+            y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
+        elif impl in ("tiled", "ragged"):
+            y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile)
+        else:
+            raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+        y_BTD = y_TD.reshape(B, T, D)
+        if cfg.n_shared_experts:
+            y_BTD = y_BTD + MLP(cfg.shared_intermediate_size, self.param_dtype, name="shared_experts")(x_BTD)
+        return y_BTD
+
+
+def _swiglu(x, gate, up, down):
+    f32 = jnp.float32
+    g = jnp.einsum("...D,...DF->...F", x, gate, preferred_element_type=f32).astype(x.dtype)
+    u = jnp.einsum("...D,...DF->...F", x, up, preferred_element_type=f32).astype(x.dtype)
+    return jnp.einsum("...F,...FD->...D", jax.nn.silu(g) * u, down, preferred_element_type=f32).astype(x.dtype)
+
+
+def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
+    """Reference: every expert on every token; unchosen experts get weight 0. Returns [T, D]."""
+    E = gate_EDF.shape[0]
+    x_TD = x_TD.astype(gate_EDF.dtype)
+    combine_TE = jnp.zeros((x_TD.shape[0], E), jnp.float32).at[
+        jnp.arange(x_TD.shape[0])[:, None], idx_TK].add(weight_TK)
+    y_ETD = jax.vmap(lambda g, u, d: _swiglu(x_TD, g, u, d))(gate_EDF, up_EDF, down_EFD)
+    return jnp.einsum("ETD,TE->TD", y_ETD.astype(jnp.float32), combine_TE).astype(x_TD.dtype)
+
+
+def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=64):
+    """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense."""
+    T, K = idx_TK.shape
+    E = gate_EDF.shape[0]
+    x_TD = x_TD.astype(gate_EDF.dtype)
+    flat_M = idx_TK.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)  # sorted slot -> assignment
+    sizes_E = jnp.bincount(flat_M, length=E)
+    if impl == "ragged":
+        y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
+        y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
+    else:
+        y_MD = _tiled_swiglu(x_TD, flat_M, order_M, sizes_E, gate_EDF, up_EDF, down_EFD, tile, K)
+    y_TKD = y_MD.reshape(T, K, -1).astype(jnp.float32)
+    return jnp.einsum("TKD,TK->TD", y_TKD, weight_TK).astype(x_TD.dtype)
+
+
+def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
+    f32 = jnp.float32
+    g = jax.lax.ragged_dot(x_MD, gate_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
+    u = jax.lax.ragged_dot(x_MD, up_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
+    h = jax.nn.silu(g) * u
+    return jax.lax.ragged_dot(h, down_EFD, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
+
+
+def _tiled_swiglu(x_TD, flat_M, order_M, sizes_E, gate_EDF, up_EDF, down_EFD, tile, K):
+    """Each expert's rows start at a multiple of `tile`, so every tile belongs to one expert."""
+    M, D = flat_M.shape[0], x_TD.shape[1]
+    E = sizes_E.shape[0]
+    # At most min(E, M) experts are non-empty, each wasting < tile rows: a static bound on padded rows.
+    n_tiles = -(-(M + min(E, M) * (tile - 1)) // tile)
+    padded_E = -(-sizes_E // tile) * tile
+    pad_end_E = jnp.cumsum(padded_E)
+    e_sorted_M = flat_M[order_M]
+    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_M]
+    dest_sorted_M = (pad_end_E - padded_E)[e_sorted_M] + rank_M
+    dest_M = jnp.zeros(M, jnp.int32).at[order_M].set(dest_sorted_M.astype(jnp.int32))
+    # Padded row -> source token (T = an appended zero row for padding).
+    src_P = jnp.full(n_tiles * tile, x_TD.shape[0], jnp.int32).at[dest_sorted_M].set(
+        (order_M // K).astype(jnp.int32))
+    x_pad_PD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[src_P]
+    tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
+    n_active = pad_end_E[-1] // tile
+
+    def body(_, inp):
+        j, e, x_tD = inp
+        y_tD = jax.lax.cond(j < n_active,
+                            lambda: _swiglu(x_tD, gate_EDF[e], up_EDF[e], down_EFD[e]),
+                            lambda: jnp.zeros_like(x_tD))
+        return None, y_tD
+
+    _, y_tiles = jax.lax.scan(body, None, (jnp.arange(n_tiles), tile_expert, x_pad_PD.reshape(n_tiles, tile, D)))
+    return y_tiles.reshape(n_tiles * tile, D)[dest_M]

@@ -1,0 +1,102 @@
+"""The fast MoE dispatch equals the plain dense/masked MoE (same parameters), values and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k2jax.config import K2Config
+from k2jax.nn.moe import MoE, moe_dense, moe_grouped, route
+from tests.conftest import CONFIGS
+
+
+def experts(key, E, D, F, dtype=jnp.float32):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return (jax.random.normal(k1, (E, D, F), dtype) / D**0.5, jax.random.normal(k2, (E, D, F), dtype) / D**0.5,
+            jax.random.normal(k3, (E, F, D), dtype) / F**0.5)
+
+
+def routing(key, T, E, K, skew=0.0):
+    """Random top-k choices; with skew > 0 most tokens pick expert 0 and several experts get nothing."""
+    logits = jax.random.normal(key, (T, E))
+    logits = logits.at[:, 0].add(skew).at[:, E // 2:].add(-skew)
+    _, idx = jax.lax.top_k(logits, K)
+    w = jax.random.uniform(jax.random.fold_in(key, 1), (T, K))
+    return idx.astype(jnp.int32), w
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged"])
+@pytest.mark.parametrize("T, E, K, tile, skew", [
+    (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0)])
+def test_grouped_equals_dense(impl, T, E, K, tile, skew):
+    key = jax.random.PRNGKey(T * E + K)
+    D, F = 24, 20
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, skew)
+    if skew:
+        counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
+        assert counts[0] == T and (counts == 0).sum() >= E // 2 - K  # uneven: some empty, one full
+    ref = moe_dense(x, idx, wt, *w)
+    got = jax.jit(lambda *a: moe_grouped(*a, impl=impl, tile=tile))(x, idx, wt, *w)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_gradients_equal_dense():
+    key = jax.random.PRNGKey(0)
+    T, E, K, D, F = 29, 8, 3, 16, 12
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, 3.0)
+
+    def loss(fn, x, wt, w):
+        return jnp.sum(jnp.sin(fn(x, idx, wt, *w)))
+
+    g_ref = jax.grad(lambda *a: loss(moe_dense, *a), argnums=(0, 1, 2))(x, wt, w)
+    g_got = jax.grad(lambda *a: loss(lambda *b: moe_grouped(*b, tile=8), *a), argnums=(0, 1, 2))(x, wt, w)
+    for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_grouped_close_to_dense():
+    key = jax.random.PRNGKey(1)
+    w = experts(key, 16, 64, 32, jnp.bfloat16)
+    x = jax.random.normal(key, (40, 64), jnp.bfloat16)
+    idx, wt = routing(jax.random.fold_in(key, 3), 40, 16, 4)
+    ref = moe_dense(x, idx, wt, *w).astype(jnp.float32)
+    got = moe_grouped(x, idx, wt, *w, tile=8).astype(jnp.float32)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_moe_module_impls_agree():
+    cfg = K2Config.from_hf_config(CONFIGS / "tiny.json")
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, cfg.hidden_size))
+    params = MoE(cfg, impl="dense").init(jax.random.PRNGKey(1), x)
+    params = jax.tree_util.tree_map(lambda a: a, params)
+    ref = MoE(cfg, impl="dense").apply(params, x)
+    for impl in ("tiled", "ragged", "auto"):
+        np.testing.assert_allclose(MoE(cfg, impl=impl, tile=4).apply(params, x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_router_bias_picks_but_does_not_weigh():
+    cfg = K2Config.from_hf_config(CONFIGS / "tiny.json").replace(routed_scaling_factor=1.0)
+    logits = jnp.array([[0.0, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 0.1]])
+    bias = jnp.zeros(8).at[5].set(10.0)  # expert 5 has the lowest score but must win
+    idx, w = route(logits, bias, cfg)
+    assert sorted(idx[0].tolist()) == [3, 5]
+    s = jax.nn.sigmoid(logits[0])
+    expect = {3: s[3] / (s[3] + s[5]), 5: s[5] / (s[3] + s[5])}
+    for i, wk in zip(idx[0].tolist(), w[0].tolist()):
+        assert wk == pytest.approx(float(expect[i]), rel=1e-6)
+
+
+def test_grouped_routing_masks_groups():
+    cfg = K2Config.from_hf_config(CONFIGS / "tiny.json").replace(n_group=4, topk_group=2, num_experts_per_tok=2)
+    # Groups of 2: {0,1} {2,3} {4,5} {6,7}. Expert 7 alone is the best single score, but group {6,7} sums low.
+    logits = jnp.array([[2.0, 2.0, 1.5, 1.5, -5.0, -5.0, 3.0, -9.0]])
+    idx, _ = route(logits, jnp.zeros(8), cfg)
+    assert sorted(idx[0].tolist()) == [0, 1]
+    # Without groups expert 6 wins.
+    idx, _ = route(logits, jnp.zeros(8), cfg.replace(n_group=1, topk_group=1))
+    assert 6 in idx[0].tolist()
