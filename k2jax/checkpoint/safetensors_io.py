@@ -1,0 +1,294 @@
+"""Safetensors checkpoints: index, headers (parsed and validated here), lazy per-tensor reads.
+
+File layout: 8-byte little-endian header length n, n bytes of JSON {name: {dtype, shape, data_offsets},
+"__metadata__": {...}}, then the data; offsets are relative to the end of the header. Headers are parsed
+here, not by the safetensors library, so that every error names the file and the tensor.
+
+Reads use os.pread on one descriptor per file (no shared file position): `read` may be called from many
+threads at once, one tensor per call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import struct
+import sys
+import threading
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# The safetensors library refuses headers above 100 MB; a length beyond that is corruption, not a header.
+MAX_HEADER_BYTES = 100_000_000
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+if sys.byteorder != "little":  # bfloat16 / float8 have no byte-swapped numpy dtypes
+    raise ImportError("k2jax.checkpoint.safetensors_io needs a little-endian host")
+
+
+class SafetensorsError(ValueError):
+    """A malformed safetensors file or index; the message names the file (and tensor)."""
+
+
+class TensorInfo(NamedTuple):
+    """One tensor's header entry. begin/end are absolute byte offsets in `file`."""
+
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16", "F8_E4M3"
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    file: str
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+# ------------------------------------------------------------------------------------------------------
+def _no_duplicate_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise SafetensorsError(f"duplicate key {dup!r}")
+    return dict(pairs)
+
+
+def parse_header(raw: bytes, file_size: int, where: str) -> tuple[dict[str, TensorInfo], dict]:
+    """Validate a header (the JSON bytes) of a file of `file_size` bytes -> ({name: TensorInfo}, metadata)."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except SafetensorsError as e:
+        raise SafetensorsError(f"{where}: header: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SafetensorsError(f"{where}: header is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{where}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsError(f"{where}: __metadata__ is not an object")
+    data_start = 8 + len(raw)
+    data_size = file_size - data_start
+    tensors = {}
+    for name, entry in header.items():
+        def bad(why):
+            return SafetensorsError(f"{where}: tensor {name!r}: {why}")
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise bad(f"entry must have dtype, shape and data_offsets, got {entry!r}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPES:
+            raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but {dtype} {shape} "
+                      f"needs {nbytes}")
+        if offsets[1] > data_size:
+            raise bad(f"data ends at byte {offsets[1]} of the data section, which has only {data_size} bytes "
+                      f"(file truncated or offsets corrupt)")
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1],
+                                   where)
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise SafetensorsError(f"{where}: tensors {n0!r} and {n1!r} overlap")
+    return tensors, metadata
+
+
+class SafetensorsFile:
+    """One .safetensors file: header validated on open, tensors read lazily and thread-safely."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._lock = threading.Lock()  # only for platforms without os.pread
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self.tensors, self.metadata = self._read_header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _read_header(self):
+        where = self.path
+        if self.size < 8:
+            raise SafetensorsError(f"{where}: only {self.size} bytes, too short for a safetensors file")
+        (n,) = struct.unpack("<Q", self._pread(8, 0))
+        if n == 0 or n > MAX_HEADER_BYTES:
+            raise SafetensorsError(f"{where}: header length {n} is absurd (limit {MAX_HEADER_BYTES}, file is "
+                                   f"{self.size} bytes): not a safetensors file, or a corrupt one")
+        if 8 + n > self.size:
+            raise SafetensorsError(f"{where}: header length {n} runs past the end of the file ({self.size} "
+                                   f"bytes): file truncated")
+        return parse_header(self._pread(n, 8), self.size, where)
+
+    def _pread(self, n: int, offset: int, out: memoryview | None = None) -> bytes | memoryview:
+        buf = memoryview(bytearray(n)) if out is None else out
+        got = 0
+        while got < n:
+            if hasattr(os, "preadv"):
+                k = os.preadv(self._fd, [buf[got:]], offset + got)
+            else:
+                with self._lock:
+                    os.lseek(self._fd, offset + got, os.SEEK_SET)
+                    k = os.readv(self._fd, [buf[got:]])
+            if k == 0:
+                raise SafetensorsError(f"{self.path}: unexpected end of file at byte {offset + got} "
+                                       f"(file shrank or truncated)")
+            got += k
+        return buf if out is not None else bytes(buf)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor `name` as a fresh, writable numpy array (bf16/fp8 as ml_dtypes types)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        arr = np.empty(info.shape, info.np_dtype)
+        if info.nbytes:
+            self._pread(info.nbytes, info.begin, memoryview(arr.reshape(-1).view(np.uint8)))
+        return arr
+
+    def close(self):
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------------------------------------------
+class Checkpoint:
+    """A HuggingFace safetensors checkpoint: a directory with `model.safetensors.index.json` (sharded) or
+    `model.safetensors`, or a single .safetensors file.
+
+    `tensors` maps every tensor name to its TensorInfo; `problems` lists inconsistencies between the index
+    and the files (each naming tensor and file), for the caller to report with its own. A malformed file
+    raises SafetensorsError at once.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        self.problems: list[str] = []
+        self.files: dict[str, SafetensorsFile] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self):
+        if self.path.is_file():
+            self._open_files(self.path.parent, [self.path.name])
+            self.tensors = self._all_tensors()
+            return
+        index = self.path / INDEX_NAME
+        if not index.is_file():
+            if (self.path / SINGLE_NAME).is_file():
+                self._open_files(self.path, [SINGLE_NAME])
+                self.tensors = self._all_tensors()
+                return
+            raise FileNotFoundError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        weight_map = read_index(index)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (self.path / f).is_file()]
+        for f in missing:
+            names = [k for k, v in weight_map.items() if v == f]
+            self.problems.append(f"{INDEX_NAME} maps {len(names)} tensor(s) (e.g. {names[0]!r}) to {f}, "
+                                 f"which does not exist")
+        self._open_files(self.path, [f for f in files if f not in missing])
+        found = self._all_tensors()
+        for name, f in weight_map.items():
+            info = self.files[f].tensors.get(name) if f in self.files else None
+            if info is not None:
+                self.tensors[name] = info
+            elif f in self.files:
+                self.problems.append(f"tensor {name!r}: {INDEX_NAME} maps it to {f}, whose header lacks it")
+        for name, info in found.items():
+            if weight_map.get(name) != os.path.basename(info.file):
+                self.problems.append(f"tensor {name!r} in {os.path.basename(info.file)} is not mapped to that "
+                                     f"file by {INDEX_NAME} (maps it to {weight_map.get(name)})")
+
+    def _open_files(self, root: pathlib.Path, names: list[str]):
+        for f in names:
+            self.files[f] = SafetensorsFile(root / f)
+
+    def _all_tensors(self) -> dict[str, TensorInfo]:
+        """Union of the files' headers; a name in two files is reported (the first file keeps it)."""
+        out: dict[str, TensorInfo] = {}
+        for f, sf in self.files.items():
+            for name, info in sf.tensors.items():
+                if name in out:
+                    self.problems.append(f"tensor {name!r} is in two files: "
+                                         f"{os.path.basename(out[name].file)} and {f}")
+                else:
+                    out[name] = info
+        return out
+
+    def file_of(self, name: str) -> str:
+        return os.path.basename(self.tensors[name].file)
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor as numpy (thread-safe; see SafetensorsFile.read)."""
+        info = self.tensors[name]
+        return self.files[os.path.basename(info.file)].read(name)
+
+    def close(self):
+        for sf in self.files.values():
+            sf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_index(path: str | os.PathLike) -> dict[str, str]:
+    """`model.safetensors.index.json` -> weight_map {tensor name: file name}, validated."""
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SafetensorsError(f"{path}: not valid JSON: {e}") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise SafetensorsError(f"{path}: expected {{'weight_map': {{tensor name: file name}}}}")
+    for name, f in wm.items():
+        # File names are plain names next to the index; anything else would read outside the checkpoint.
+        if f != os.path.basename(f) or f in ("", ".", ".."):
+            raise SafetensorsError(f"{path}: tensor {name!r} maps to {f!r}, not a file name in this directory")
+    return wm
+
+
+def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+    """Write a .safetensors file with the reference library (so files we read are the ones others write)."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(path), metadata=metadata)
