@@ -1,0 +1,278 @@
+"""Kimi K2 tokenizer: tiktoken BPE plus Kimi's special tokens and chat format.
+
+The released tokenizer is a `tiktoken.model` file (one `base64(token) rank` per
+line, ranks 0..n-1) followed by 256 special tokens with ids n..n+255, named by
+`tokenizer_config.json`'s `added_tokens_decoder` (falling back to the fixed
+Kimi layout and `<|reserved_token_{id}|>`). `write_test_tokenizer` builds a
+small vocabulary in the same format so tests and demos never need the real file.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import tiktoken
+
+NUM_RESERVED_SPECIAL = 256
+KIMI_NUM_REGULAR = 163_584  # regular tokens in the released tiktoken.model
+
+# Kimi's pre-tokenizer. `&&` is character-class intersection: fancy-regex
+# (used by tiktoken) supports it natively; Python's `regex` needs its V1 mode.
+PAT_STR = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+])
+
+# Offsets of the named specials from the first special id (the Kimi layout).
+KIMI_SPECIAL_OFFSETS = {
+    "[BOS]": 0, "[EOS]": 1, "<|im_end|>": 2, "<|im_user|>": 3,
+    "<|im_assistant|>": 4, "<|start_header_id|>": 6, "<|end_header_id|>": 7,
+    "[EOT]": 9, "<|im_system|>": 10, "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12, "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14, "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17, "[UNK]": 254, "[PAD]": 255,
+}
+
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def split_pieces(text: str) -> list[str]:
+    """Pre-tokenize `text` with PAT_STR using Python's `regex` (for inspection/tests)."""
+    import regex  # installed with tiktoken
+
+    return regex.findall(PAT_STR, text, flags=regex.V1)
+
+
+def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Parse a tiktoken ranks file. Parsed here rather than with
+    `tiktoken.load.load_tiktoken_bpe`, which caches by path and could serve a
+    stale copy after the file changes."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer ranks file not found: {path}")
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as e:
+            raise ValueError(f"malformed line {lineno} in {path}: {line[:80]!r}") from e
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        # Special ids start at len(ranks); gaps or duplicates would make them collide.
+        raise ValueError(f"{path}: ranks must be unique tokens with ranks 0..n-1 (got {len(ranks)} tokens)")
+    return ranks
+
+
+def _token_content(v) -> str | None:
+    """tokenizer_config stores tokens either as a string or as an AddedToken dict."""
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class KimiTokenizer:
+    """Kimi K2 tokenizer (tiktoken BPE + 256 special tokens + chat template)."""
+
+    def __init__(self, ranks: dict[bytes, int], special_names: dict[int, str] | None = None,
+                 bos_token: str = "[BOS]", eos_token: str = "[EOS]", name: str = "kimi"):
+        """`special_names` maps special id -> name for ids in the 256-slot block;
+        unnamed slots use the Kimi layout, then `<|reserved_token_{id}|>`."""
+        self.num_base = len(ranks)
+        names = {self.num_base + off: tok for tok, off in KIMI_SPECIAL_OFFSETS.items()}
+        if special_names:
+            names.update(special_names)
+        self.special_tokens = {
+            names.get(i, f"<|reserved_token_{i}|>"): i
+            for i in range(self.num_base, self.num_base + NUM_RESERVED_SPECIAL)
+        }
+        if len(self.special_tokens) != NUM_RESERVED_SPECIAL:
+            raise ValueError("duplicate special token names")
+        self._ranks = ranks
+        self._enc = tiktoken.Encoding(name, pat_str=PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self.special_tokens)
+        self.bos_id = self.id_of(bos_token)
+        self.eos_id = self.id_of(eos_token)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "KimiTokenizer":
+        """Load `tiktoken.model` and, if present, `tokenizer_config.json` from `path`."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {path} (expected {path / 'tiktoken.model'})")
+        ranks = load_ranks(path / "tiktoken.model")
+        cfg_path = path / "tokenizer_config.json"
+        kwargs = {}
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+                names = {int(k): v["content"] for k, v in cfg.get("added_tokens_decoder", {}).items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"malformed {cfg_path}: {e}") from e
+            lo, hi = len(ranks), len(ranks) + NUM_RESERVED_SPECIAL
+            bad = [i for i in names if not lo <= i < hi]
+            if bad:
+                raise ValueError(f"{cfg_path}: added token ids {bad[:5]} outside the special range [{lo}, {hi})")
+            kwargs["special_names"] = names
+            for key in ("bos_token", "eos_token"):
+                if cfg.get(key) is not None:
+                    kwargs[key] = _token_content(cfg[key])
+        return cls(ranks, name=path.name or "kimi", **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        """Regular tokens plus the 256 specials."""
+        return self._enc.n_vocab
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids that end a generated assistant turn."""
+        return [self.special_tokens["<|im_end|>"], self.eos_id]
+
+    def id_of(self, token: str) -> int:
+        """Id of a special token name or of a regular token given as its UTF-8 text."""
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        try:
+            return self._ranks[token.encode("utf-8")]
+        except KeyError:
+            raise KeyError(f"not a single token: {token!r}") from None
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Encode text. Special-token text is encoded as plain text unless
+        `allow_special`, so user content cannot inject control tokens."""
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all")
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode_bytes(self, ids) -> bytes:
+        """Raw bytes of a token sequence (specials decode to their names)."""
+        return self._enc.decode_bytes([int(i) for i in ids])
+
+    def decode(self, ids) -> str:
+        """Decode to text; partial UTF-8 sequences become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
+        """Render `[{"role", "content"}, ...]` in Kimi's chat format.
+
+        Each turn is `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>`; a
+        default system turn is prepended when none is given. Returns token ids
+        (markers as special ids, role and content as plain text) or the string.
+        """
+        for m in messages:
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"unsupported chat role {m['role']!r}; expected one of {CHAT_ROLES}")
+        if not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, *messages]
+        # Segments alternate (is_special, text) so ids are built without ever
+        # parsing special markers out of content.
+        segs = []
+        for m in messages:
+            segs += [(True, f"<|im_{m['role']}|>"), (False, m["role"]), (True, "<|im_middle|>"),
+                     (False, m["content"]), (True, "<|im_end|>")]
+        if add_generation_prompt:
+            segs += [(True, "<|im_assistant|>"), (False, "assistant"), (True, "<|im_middle|>")]
+        if not tokenize:
+            return "".join(s for _, s in segs)
+        ids: list[int] = []
+        for special, s in segs:
+            ids += [self.special_tokens[s]] if special else self.encode(s)
+        return ids
+
+
+# --- small tiktoken-format vocabulary for tests and demos -------------------
+
+_TRAIN_CORPUS = """\
+The quick brown fox jumps over the lazy dog. Kimi is a large language model
+trained by Moonshot AI. It uses a mixture of experts with multi-head latent
+attention, and it can read long documents, write code, and answer questions.
+We're testing the tokenizer: it's important that the encoder and the decoder
+agree on every byte, including spaces, tabs, and newlines.
+人工智能是计算机科学的一个分支。大语言模型可以理解和生成自然语言。
+月之暗面开发了Kimi模型，它可以阅读长文档、编写代码并回答问题。
+我们正在测试分词器，中文和英文混合的文本应该能够正确地编码和解码。
+def attention(query, key, value, mask=None):
+    scores = query @ key.transpose(-2, -1) / math.sqrt(key.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, float("-inf"))
+    return softmax(scores, axis=-1) @ value
+
+for i in range(10):
+    print(f"step {i}: loss = {loss:.4f}")
+import jax.numpy as jnp
+x = jnp.zeros((2, 3), dtype=jnp.bfloat16)
+{"role": "user", "content": "Hello, world!"} 12345 67890 3.14159
+"""
+
+
+def train_bpe(text: str, num_merges: int = 1000) -> dict[bytes, int]:
+    """Byte-level BPE over PAT_STR pieces: 256 byte tokens, then merges in
+    learned order (rank = merge order, as tiktoken's merge loop expects).
+    Pairs seen once are merged too (after all frequent ones), so a small
+    corpus still yields whole-word tokens."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = Counter(tuple(bytes([b]) for b in p.encode("utf-8")) for p in split_pieces(text))
+    for _ in range(num_merges):
+        pairs = Counter()
+        for w, n in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        (a, b), n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))  # deterministic ties
+        new_words = Counter()
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] == a and w[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new_words[tuple(out)] += c
+        words = new_words
+        ranks.setdefault(a + b, len(ranks))  # the same bytes can arise from two different pairs
+    return ranks
+
+
+def write_test_tokenizer(path: str | os.PathLike, *, num_merges: int = 1000,
+                         num_regular: int | None = None, corpus: str = _TRAIN_CORPUS) -> Path:
+    """Write `tiktoken.model` + `tokenizer_config.json` for a small BPE vocab.
+
+    `num_regular` pads the vocabulary with unreachable dummy tokens up to that
+    many regular tokens (e.g. KIMI_NUM_REGULAR to reproduce Kimi's absolute
+    special ids). Returns the directory.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ranks = train_bpe(corpus, num_merges)
+    if num_regular is not None:
+        if num_regular < len(ranks):
+            raise ValueError(f"num_regular={num_regular} < {len(ranks)} trained tokens")
+        # \x00\xff never occurs in UTF-8 text, so BPE can never produce these.
+        for i in range(num_regular - len(ranks)):
+            ranks[b"\x00\xff" + i.to_bytes(3, "big")] = len(ranks)
+    with open(path / "tiktoken.model", "wb") as f:
+        f.writelines(base64.b64encode(t) + b" %d\n" % r for t, r in ranks.items())
+    n = len(ranks)
+    names = {n + off: tok for tok, off in KIMI_SPECIAL_OFFSETS.items()}
+    decoder = {str(i): {"content": names.get(i, f"<|reserved_token_{i}|>"), "lstrip": False,
+                        "normalized": False, "rstrip": False, "single_word": False, "special": True}
+               for i in range(n, n + NUM_RESERVED_SPECIAL)}
+    cfg = {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]",
+           "pad_token": "[PAD]", "unk_token": "[UNK]", "tokenizer_class": "TikTokenTokenizer"}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    return path
