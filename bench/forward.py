@@ -1,0 +1,67 @@
+"""Prefill forward of configs/bench.json (1 × 512 tokens): k2jax against transformers, same weights.
+
+    python bench/forward.py [--tokens 512] [--rounds 5]
+
+transformers' DeepseekV3ForCausalLM runs in the oracle environment (Python 3.11, torch CPU, 2 threads); the
+two are alternated round by round so both see the same machine state. Prints median times, the speed-up, and
+k2jax's achieved GFLOP/s against the measured matmul peak of the same dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from common import REPO, forward_flops, matmul_peak, median, time_fn  # noqa: I001
+
+from k2jax import K2Config, K2Model, load_hf
+from tests.oracle.client import Oracle
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=f"{REPO}/configs/bench.json")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    hf_cfg = json.load(open(args.config))
+    cfg = K2Config.from_hf_config(hf_cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.tokens))
+    flops = forward_flops(cfg, args.tokens)
+    print(f"config {args.config}: {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts top-"
+          f"{cfg.num_experts_per_tok}; 1 x {args.tokens} tokens = {flops / 1e9:.1f} GFLOP; jax {jax.__version__}, "
+          f"backend {jax.default_backend()}")
+    rows = []
+    with Oracle() as oracle, tempfile.TemporaryDirectory() as tmp:
+        base = {"config": hf_cfg, "seed": 0}
+        oracle.run(base | {"save": {"dir": tmp, "format": "hf"}})
+        for dtype in ("bfloat16", "float32"):
+            _, params = load_hf(tmp, dtype=jnp.dtype(dtype))
+            model = K2Model(cfg, jnp.dtype(dtype))
+            fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
+            toks = jnp.asarray(tokens, jnp.int32)
+            jax.block_until_ready(fwd(params, toks))
+            oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 1, "repeats": 1}})
+            ours, theirs = [], []
+            for _ in range(args.rounds):
+                theirs += list(oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 0,
+                                                            "repeats": 1}})["bench.times"])
+                ours += time_fn(fwd, params, toks, repeats=1, warmup=0)
+            peak = matmul_peak(jnp.dtype(dtype))
+            rows.append((dtype, median(ours), median(theirs), flops / median(ours), peak))
+            del params
+    print(f"\n{'dtype':<9} {'k2jax ms':>9} {'HF ms':>9} {'speed-up':>9} {'k2jax GFLOP/s':>14} "
+          f"{'matmul peak':>12} {'of peak':>8}")
+    for dtype, ours, theirs, achieved, peak in rows:
+        print(f"{dtype:<9} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
+              f"{achieved / 1e9:>14.1f} {peak / 1e9:>12.1f} {achieved / peak:>7.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Set up both environments (cached between runs) and run the whole test suite.
+#   k2jax's own environment: Python >= 3.12 (.venv, editable install with the `test` extra).
+#   The oracle: HuggingFace transformers + torch 2.13 CPU under Python 3.11, called by the parity tests
+#   in a subprocess; K2JAX_REQUIRE_ORACLE=1 makes a missing oracle a failure instead of a skip.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache="${K2JAX_CACHE:-$HOME/.cache/k2jax}"
+mkdir -p "$cache"
+
+find_python() {  # find_python 3.12 -> an interpreter of that minor version
+  local want=$1 cand
+  for cand in "python$want" python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$want'.split('.')))" 2>/dev/null; then
+      echo "$cand"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null; then  # pyenv shims refuse a version that is not selected
+    local v; v=$(pyenv versions --bare 2>/dev/null | grep -E "^$want(\.[0-9]+)?$" | tail -n 1 || true)
+    if [[ -n $v ]]; then echo "$(pyenv root)/versions/$v/bin/python$want"; return 0; fi
+  fi
+  echo "no Python $want found (set PYTHON$want to one)" >&2; return 1
+}
+
+py312=${PYTHON312:-$(find_python 3.12)}
+py311=${PYTHON311:-$(find_python 3.11)}
+
+# Main environment: dependencies cached by the hash of setup.cfg; the project itself installed editable.
+key=$(cat setup.cfg | sha1sum | cut -c1-12)
+main_env="$cache/venv-$key"
+# A venv cannot be moved (absolute paths inside), so a stamp file marks a finished build.
+if [[ ! -f $main_env/.complete ]]; then
+  echo "== building $main_env"
+  rm -rf "$main_env"
+  "$py312" -m venv "$main_env"
+  "$main_env/bin/pip" install -q --upgrade pip
+  "$main_env/bin/pip" install -q -e '.[test]'
+  touch "$main_env/.complete"
+fi
+# Point the cached environment at this checkout (quick: no dependencies resolved).
+"$main_env/bin/pip" install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true
+
+# Oracle environment, cached by the hash of its requirements.
+okey=$(sha1sum tests/oracle/requirements.txt | cut -c1-12)
+oracle_env="$cache/oracle-$okey"
+if [[ ! -f $oracle_env/.complete ]]; then
+  echo "== building $oracle_env"
+  rm -rf "$oracle_env"
+  "$py311" -m venv "$oracle_env"
+  "$oracle_env/bin/pip" install -q -r tests/oracle/requirements.txt
+  touch "$oracle_env/.complete"
+fi
+export K2JAX_ORACLE_PYTHON="$oracle_env/bin/python"
+export K2JAX_REQUIRE_ORACLE=1
+
+set +e
+"$main_env/bin/python" -m pytest "$@"
+rc=$?
+set -e
+if [[ $rc == 5 ]]; then  # pytest: no tests collected
+  echo "pytest collected no tests"; exit 1
+fi
+exit $rc
