@@ -205,6 +205,10 @@ class K2Config:
             raise ValueError(f"{where}: invalid 'attention_bias': biased projections are not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: invalid 'hidden_act': only 'silu' is supported, got {raw['hidden_act']!r}")
+        # transformers ignores moe_layer_freq; the released remote code interleaves dense blocks when it is
+        # not 1. No released model does that, so refuse it rather than lay blocks out one way or the other.
+        if raw.get("moe_layer_freq", 1) != 1:
+            raise ValueError(f"{where}: invalid 'moe_layer_freq': only 1 is supported, got {raw['moe_layer_freq']!r}")
         for key, only in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
             if raw.get(key, only) != only:
                 raise ValueError(f"{where}: invalid {key!r}: only {only!r} is supported, got {raw[key]!r}")

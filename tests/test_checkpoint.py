@@ -35,6 +35,7 @@ VARIANTS = {
     "three_dense": dict(first_k_dense_replace=3),
     "all_dense": dict(first_k_dense_replace=4, q_lora_rank=None),
     "no_shared": dict(n_shared_experts=0),
+    "no_experts": dict(n_routed_experts=None),
 }
 BLOCK = (16, 16)  # small blocks: the tiny weights get several blocks and partial edge blocks
 
@@ -186,6 +187,9 @@ def test_quantize_round_trip_and_zero_blocks():
     np.testing.assert_array_equal(back[:128, :128], 0.0)
     err = np.abs(back - w) / np.repeat(np.repeat(s * 448, 128, 0), 128, 1)[:300, :200]
     assert err.max() <= 2.0**-4  # E4M3: 3 mantissa bits, half an ulp of the block's largest value
+    qj, sj = quantize(jnp.asarray(w))  # XLA may divide by a reciprocal: scales equal to an ulp
+    np.testing.assert_allclose(np.asarray(sj), s, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dequantize(qj, sj)), back, rtol=2.0**-3, atol=1e-30)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -268,7 +272,8 @@ def test_loaded_layout_computes_what_hf_computes(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     close(x @ raw[L + "self_attn.q_a_proj.weight"].T, np.einsum("d,dq->q", x, attn["q_a_proj"]))
-    close((cq @ raw[L + "self_attn.q_b_proj.weight"].T).reshape(N, K + P), np.einsum("q,qnh->nh", cq, attn["q_b_proj"]))
+    close((cq @ raw[L + "self_attn.q_b_proj.weight"].T).reshape(N, K + P),
+          np.einsum("q,qnh->nh", cq, attn["q_b_proj"]))
     close(x @ raw[L + "self_attn.kv_a_proj_with_mqa.weight"].T, np.einsum("d,dr->r", x, attn["kv_a_proj_with_mqa"]))
     close((ckv @ raw[L + "self_attn.kv_b_proj.weight"].T).reshape(N, K + Vh),
           np.einsum("r,rnh->nh", ckv, attn["kv_b_proj"]))
@@ -299,18 +304,20 @@ def test_all_problems_in_one_error(tmp_path):
         del t[f"model.layers.2.mlp.experts.4.{proj}.weight"], t[f"model.layers.2.mlp.experts.4.{proj}.weight_scale_inv"]
     t["model.layers.1.self_attn.k_proj.weight"] = np.zeros((4, 4), np.float32)
     t["model.layers.3.mlp.shared_experts.up_proj.weight"] = np.zeros((36, 47), ml_dtypes.bfloat16)
+    del t["model.layers.3.mlp.shared_experts.up_proj.weight_scale_inv"]
     del t["model.layers.1.self_attn.o_proj.weight_scale_inv"]
     t["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 2] = np.nan
-    t["model.layers.3.self_attn.kv_b_proj.weight_scale_inv"] = t["model.layers.3.self_attn.kv_b_proj.weight_scale_inv"][:, :1]
+    kv_b_scale = "model.layers.3.self_attn.kv_b_proj.weight_scale_inv"
+    t[kv_b_scale] = t[kv_b_scale][:, :1]
     del t["model.norm.weight"]
     rewrite_single(tmp_path, t)
     with pytest.raises(ValueError) as e:
         load_hf(tmp_path)
     msg = str(e.value)
-    print(msg)
     assert "7 problem(s)" in msg
     for needle in ["missing expert 4 of layer 2",
-                   "unknown tensor 'model.layers.1.self_attn.k_proj.weight' (model.safetensors)",
+                   "unknown tensor 'model.layers.1.self_attn.k_proj.weight': no rule in k2jax.checkpoint.names.RULES "
+                   "(model.safetensors)",
                    "'model.layers.3.mlp.shared_experts.up_proj.weight' (model.safetensors): shape [36, 47], "
                    "config.json implies [36, 48]",
                    "'model.layers.1.self_attn.o_proj.weight' (model.safetensors): F8_E4M3 weight without its "
@@ -329,7 +336,9 @@ def test_more_problems_missing_layer_orphan_scale_dtype(tmp_path):
     t = {k: v for k, v in t.items() if not k.startswith("model.layers.3.") or "inv_freq" in k}
     t["model.layers.2.mlp.gate.weight_scale_inv"] = np.ones((1, 3), np.float32)
     t["model.layers.1.self_attn.q_a_layernorm.weight"] = np.zeros(24, np.int64)
-    t["model.layers.9.whatever"] = np.zeros(3, np.float32)  # an MTP-like layer beyond num_hidden_layers
+    # multi-token-prediction layers (index >= num_hidden_layers) are skipped whatever they hold
+    t["model.layers.9.whatever"] = np.zeros(3, np.float32)
+    t["model.layers.4.eh_proj.weight"], t["model.layers.4.eh_proj.weight_scale_inv"] = quantize(np.ones((48, 96)))
     rewrite_single(tmp_path, t)
     with pytest.raises(ValueError) as e:
         load_hf(tmp_path)
@@ -350,13 +359,24 @@ def test_index_problems(tmp_path):
     name2 = next(k for k, v in wm.items() if v == "model-2-of-2.safetensors")
     wm[name2] = "model-1-of-2.safetensors"
     index_path.write_text(json.dumps(index))
-    write_file(tmp_path / "extra.safetensors", {"model.norm.weight": np.ones(48, np.float32)})
+    # embed_tokens also in shard 2's header, though the index maps it to shard 1
+    shard2 = tmp_path / "model-2-of-2.safetensors"
+    write_file(shard2, load_file(shard2) | {"model.embed_tokens.weight": np.ones((40, 48), np.float32)})
     with pytest.raises(ValueError) as e:
         load_hf(tmp_path)
     msg = str(e.value)
-    assert "to model-9-of-9.safetensors, which does not exist" in msg
-    assert f"tensor {name2!r}: model.safetensors.index.json maps it to model-1-of-2.safetensors, whose header " \
-           "lacks it" in msg
+    assert "4 problem(s)" in msg, msg
+    assert "maps 1 tensor(s) (e.g. 'model.layers.0.input_layernorm.weight') to model-9-of-9.safetensors, " \
+           "which does not exist" in msg
+    assert f"tensor {name2!r}: model.safetensors.index.json maps it to model-1-of-2.safetensors, but it is " \
+           "in model-2-of-2.safetensors" in msg
+    assert "tensor 'model.layers.0.input_layernorm.weight' in model-1-of-2.safetensors is not listed" not in msg
+    assert "tensor 'model.embed_tokens.weight' is in two files: model-1-of-2.safetensors and model-2-of-2" in msg
+    # a tensor the index forgets
+    del index["weight_map"][name2]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor {name2!r} in model-2-of-2.safetensors is not listed in "):
+        load_hf(tmp_path)
     index["weight_map"]["x"] = "../etc/passwd"
     index_path.write_text(json.dumps(index))
     with pytest.raises(SafetensorsError, match="not a file name in this directory"):

@@ -62,6 +62,7 @@ def test_unknown_keys_ignored():
     ({"num_key_value_heads": 8}, "num_key_value_heads"),
     ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_scaling"),
     ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
     ({"hidden_size": -3}, "hidden_size"),
 ])
 def test_bad_configs_name_the_key(change, key):

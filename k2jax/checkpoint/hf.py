@@ -23,6 +23,9 @@ from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint,
 from k2jax.config import K2Config
 
 MAX_LISTED = 200  # problems listed in one error; the rest are counted
+N_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+            "BF16": np.dtype(jnp.bfloat16)}
+FLOAT_CODES = tuple(N_DTYPES)
 
 
 @dataclasses.dataclass
@@ -32,11 +35,6 @@ class Source:
     target: N.Target
     dtype: str  # safetensors code
     scale: str | None = None
-
-
-N_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-            "BF16": np.dtype(jnp.bfloat16)}
-FLOAT_CODES = tuple(N_DTYPES)
 
 
 @dataclasses.dataclass
@@ -52,16 +50,21 @@ class Plan:
         bfloat16, the release's torch_dtype); mixed dtypes promote (bf16 + f16 -> f32)."""
         dt = None
         for s in self.sources:
-            if s.target.path[:2] == ("mlp", "gate") or s.dtype not in N_DTYPES and s.dtype != "F8_E4M3":
+            code = "BF16" if s.dtype == "F8_E4M3" else s.dtype
+            if s.target.path[:2] == ("mlp", "gate") or code not in N_DTYPES:
                 continue
-            d = N_DTYPES["BF16" if s.dtype == "F8_E4M3" else s.dtype]
-            dt = d if dt is None else np.dtype(jnp.promote_types(dt, d))
+            dt = N_DTYPES[code] if dt is None else np.dtype(jnp.promote_types(dt, N_DTYPES[code]))
         return np.dtype(np.float32) if dt is None else dt
 
 
 def fp8_block(cfg: K2Config) -> tuple[int, int]:
+    """FP8 block size from config.json's quantization_config (default [128, 128])."""
     qc = cfg.quantization_config or {}
-    return tuple(qc.get("weight_block_size") or DEFAULT_BLOCK)
+    block = qc.get("weight_block_size") or DEFAULT_BLOCK
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"config.json: quantization_config.weight_block_size must be two positive integers, "
+                         f"got {block!r}")
+    return tuple(block)
 
 
 def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = None) -> Plan:
@@ -73,7 +76,10 @@ def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = 
     """
     block = fp8_block(cfg)
     problems = list(ckpt.problems)
-    where = lambda name: f"{name!r} ({ckpt.file_of(name)})"  # noqa: E731
+
+    def where(name):
+        return f"{name!r} ({ckpt.file_of(name)})"
+
     whole = names is None
     names = list(ckpt.tensors) if whole else names
     present = set(names)
@@ -115,7 +121,7 @@ def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = 
             problems.append(f"{where(scale)}: a scale for {name!r}, which is {info.dtype}, not F8_E4M3")
         sources.append(src)
     if whole:
-        problems += _missing(cfg, set(seen.values()))
+        problems += _missing(cfg, set(seen.values()) | ckpt.unavailable)
     return Plan(sources, problems, block)
 
 
@@ -140,12 +146,12 @@ def _check_scale(ckpt: Checkpoint, scale: str, weight_shape, block) -> list[str]
     bad = ~np.isfinite(s) | (s <= 0)
     if bad.any():
         return [f"{where}: {int(bad.sum())} scale(s) not finite and positive, e.g. {s[bad].flat[0]} at "
-                f"block {list(np.argwhere(bad)[0])}"]
+                f"block {[int(i) for i in np.argwhere(bad)[0]]}"]
     return []
 
 
 def _missing(cfg: K2Config, found: set[str]) -> list[str]:
-    """Expected weights that are absent, summarised per whole layer and per whole expert."""
+    """Expected weights not in `found`, summarised per whole layer and per whole expert."""
     out = [f"missing tensor {n!r}" for n in N.global_names(cfg) if n not in found]
     per_expert = sum("{e}" in t for t, *_ in N.RULES)
     for i in range(cfg.num_hidden_layers):
@@ -227,6 +233,8 @@ def save_hf(params, cfg: K2Config, path: str | os.PathLike, fp8: bool = False, n
     embed / lm_head / norms / router bf16, the router bias float32; otherwise each tensor keeps its param
     dtype. Returns the directory.
     """
+    if num_shards is not None and num_shards < 1:
+        raise ValueError(f"save_hf: num_shards must be >= 1 or None, got {num_shards}")
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     flat = {tuple(k.key for k in p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(params)}

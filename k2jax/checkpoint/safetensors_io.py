@@ -187,9 +187,10 @@ class Checkpoint:
     """A HuggingFace safetensors checkpoint: a directory with `model.safetensors.index.json` (sharded) or
     `model.safetensors`, or a single .safetensors file.
 
-    `tensors` maps every tensor name to its TensorInfo; `problems` lists inconsistencies between the index
-    and the files (each naming tensor and file), for the caller to report with its own. A malformed file
-    raises SafetensorsError at once.
+    `tensors` maps every readable tensor name to its TensorInfo; `problems` lists inconsistencies between
+    the index and the files (each naming tensor and file), for the caller to report with its own;
+    `unavailable` holds the indexed names those problems make unreadable (not to be reported again as
+    missing). A malformed file raises SafetensorsError at once.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -197,6 +198,7 @@ class Checkpoint:
         self.problems: list[str] = []
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self.unavailable: set[str] = set()
         try:
             self._open()
         except BaseException:
@@ -228,12 +230,17 @@ class Checkpoint:
             info = self.files[f].tensors.get(name) if f in self.files else None
             if info is not None:
                 self.tensors[name] = info
+                continue
+            self.unavailable.add(name)
+            if name in found:
+                self.problems.append(f"tensor {name!r}: {INDEX_NAME} maps it to {f}, but it is in "
+                                     f"{os.path.basename(found[name].file)}")
             elif f in self.files:
                 self.problems.append(f"tensor {name!r}: {INDEX_NAME} maps it to {f}, whose header lacks it")
         for name, info in found.items():
-            if weight_map.get(name) != os.path.basename(info.file):
-                self.problems.append(f"tensor {name!r} in {os.path.basename(info.file)} is not mapped to that "
-                                     f"file by {INDEX_NAME} (maps it to {weight_map.get(name)})")
+            if name not in weight_map:
+                self.problems.append(f"tensor {name!r} in {os.path.basename(info.file)} is not listed in "
+                                     f"{INDEX_NAME}")
 
     def _open_files(self, root: pathlib.Path, names: list[str]):
         for f in names:
@@ -291,4 +298,6 @@ def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata
     """Write a .safetensors file with the reference library (so files we read are the ones others write)."""
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(path), metadata=metadata)
+    # (not np.ascontiguousarray: it turns 0-d arrays into 1-d)
+    save_file({k: v if v.flags.c_contiguous else v.copy(order="C") for k, v in tensors.items()},
+              os.fspath(path), metadata=metadata)
