@@ -29,12 +29,15 @@ class Router(nn.Module):
     """Sigmoid scores, bias-corrected grouped top-k choice, weights from the unbiased scores.
 
     x [T, D] -> (topk_idx [T, K] int32, topk_weight [T, K] float32). All in float32.
+
+    When the "intermediates" collection is mutable, sows the training statistics of `router_stats`; x then
+    holds `batch` sequences of equal length, one after the other.
     """
 
     cfg: K2Config
 
     @nn.compact
-    def __call__(self, x_TD):
+    def __call__(self, x_TD, batch: int = 1):
         cfg = self.cfg
         E = cfg.n_routed_experts
         # Kept in float32 whatever the model's dtype, as transformers does (the release's bf16 values
@@ -44,7 +47,29 @@ class Router(nn.Module):
                        nn.initializers.zeros)
         logits_TE = jnp.einsum("TD,DE->TE", x_TD.astype(jnp.float32), w_DE.astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST)
-        return route(logits_TE, bias_E, cfg)
+        idx_TK, weight_TK = route(logits_TE, bias_E, cfg)
+        if self.is_mutable_collection("intermediates"):
+            for name, value in router_stats(logits_TE, idx_TK, cfg, batch).items():
+                self.sow("intermediates", name, value)
+        return idx_TK, weight_TK
+
+
+def router_stats(logits_TE, idx_TK, cfg: K2Config, batch: int = 1) -> dict:
+    """Training statistics of one router call (T = batch sequences of equal length, flattened):
+    load [E] float32 (tokens routed to each expert); bias_changed (fraction of tokens whose top-k set differs
+    from the choice with a zero correction bias); seq_balance, DeepSeek-V3's sequence-wise balance term
+    Σ_e f_e P_e (f_e = E/(K·T_seq) × tokens of the sequence choosing e, P_e = the sequence's mean of the
+    scores normalized over all experts), averaged over the sequences; α is the caller's."""
+    T, E = logits_TE.shape
+    K = cfg.num_experts_per_tok
+    chosen_TE = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx_TK].set(1.0)
+    unbiased_TK, _ = route(logits_TE, jnp.zeros((E,), jnp.float32), cfg)
+    changed_T = jnp.any(jnp.sort(unbiased_TK, -1) != jnp.sort(idx_TK, -1), -1)
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    prob_BSE = (scores_TE / scores_TE.sum(-1, keepdims=True)).reshape(batch, -1, E)
+    f_BE = chosen_TE.reshape(batch, -1, E).mean(1) * (E / K)
+    return {"load": chosen_TE.sum(0), "bias_changed": changed_T.mean(),
+            "seq_balance": (f_BE * prob_BSE.mean(1)).sum(-1).mean()}
 
 
 def route(logits_TE, bias_E, cfg: K2Config):
@@ -97,13 +122,17 @@ class MoE(nn.Module):
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        idx_TK, weight_TK = Router(cfg, name="gate")(x_TD)
+        idx_TK, weight_TK = Router(cfg, name="gate")(x_TD, B)
         w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
         impl = self.impl
         if impl == "auto":
             impl = "tiled" if jax.default_backend() == "cpu" else "ragged"
         if impl == "dense":
             y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
+        elif impl in ("tiled", "ragged") and jax.sharding.get_abstract_mesh().size > 1:
+            from k2jax.expert_parallel import moe_expert_parallel  # under a mesh (k2jax.sharding.use_mesh)
+
+            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile)
         elif impl in ("tiled", "ragged"):
             y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile)
         else:

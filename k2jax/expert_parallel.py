@@ -1,0 +1,194 @@
+"""Expert-parallel routed experts under shard_map: tokens travel to the devices holding their experts.
+
+Letters: T tokens (global), t tokens on one device, D model, K top-k, E experts, e experts on one device,
+F expert hidden (f on one device, `tensor`-sharded), n devices on the `expert` axis, c rows per destination
+per round, R received rows, M (row, expert) slots.
+
+Tokens are split over (data, fsdp, expert); every `tensor` rank of a group holds the same tokens and computes
+its slice f of each expert's hidden dim, so the partial down projections are summed over `tensor` at the end.
+Two exchanges, both dropless and exact (they equal k2jax.nn.moe.moe_grouped up to float summation order):
+
+- "all_to_all": each token goes once to each device holding at least one of its experts, with its expert ids
+  and router weights for that device; the device returns Σ_k w_k Expert_k(x) over its experts. XLA needs
+  static shapes (and `ragged_all_to_all` does not exist on XLA:CPU), so the exchange runs in rounds of
+  `c` rows per (source, destination) pair: one round when routing is balanced, more (all devices agree via
+  pmax) when one device is hot. The worst case, everything to one device, takes ceil(t / c) rounds.
+  (A backend's ragged_all_to_all could send only the rows that exist in one round; not used yet.)
+- "gather": all-gather the group's tokens, each device computes its own experts' share for all of them, and a
+  reduce-scatter (psum_scatter) sums the shares back onto the tokens' devices. Sends (n-1)·t rows each way,
+  one collective each, no sorting.
+
+Choice ("auto"): the all-to-all's round capacity is c = min(t, ceil(1.25·t·K/n)). When c == t (n <= 1.25·K, or
+decode-sized t where the ceiling reaches t) a round carries exactly the gather's rows plus the index tables
+and sorting, and bench/sharded.py measured it slower: bench config, 8 simulated devices, K=8, prefill 1x512
+gather 157 ms vs all-to-all 346 ms (another run: 175 vs 288); so "auto" takes "gather" there (Kimi K2 decode on expert=64: t=1).
+When c < t (n > 1.25·K, as on real slices: 64 expert devices, K=8) the all-to-all's dispatch moves c/t of
+the gather's bytes and its combine returns the activation dtype instead of float32 (K=2 variant of the bench,
+prefill: 564 + 560 KiB per device vs 903 + 1792 KiB), so "auto" takes "all_to_all". Simulated CPU devices
+"send" by memcpy, and their times there are a wash (59 vs 63 ms; another run 154 vs 94): that half of the
+choice rests on the bytes, to be re-measured on a real interconnect.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k2jax.nn.moe import _ragged_swiglu, _swiglu
+
+EP_MODES = ("auto", "all_to_all", "gather")
+TOKEN_AXES = ("data", "fsdp", "expert")
+
+
+def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, mesh=None, mode="auto",
+                        impl="tiled", tile=64, capacity_factor=1.25):
+    """Routed experts on `mesh` (default: the current one from jax.set_mesh), weights sharded (expert on
+    'expert', F on 'tensor'). x [T, D], idx/weight [T, K] (router output, global expert ids) -> [T, D].
+
+    mode: one of EP_MODES (see the module docstring). impl: "tiled" (XLA:CPU) or "ragged" (ragged_dot) for the
+    local grouped matmul. capacity_factor: rows per round per destination = cap · t·K/n (at most t).
+    """
+    if mode not in EP_MODES:
+        raise ValueError(f"expert-parallel mode must be one of {EP_MODES}, got {mode!r}")
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    T, K = idx_TK.shape
+    E = gate_EDF.shape[0]
+    n = mesh.shape.get("expert", 1)
+    if E % n:
+        raise ValueError(f"{E} routed experts do not divide over the mesh's expert axis ({n})")
+    tok_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
+    groups = math.prod(mesh.shape[a] for a in tok_axes)
+    pad = -T % groups  # padding tokens are zeros routed with weight 0, dropped at the end
+    t = (T + pad) // groups
+    c = max(1, min(t, math.ceil(capacity_factor * t * K / n)))
+    if mode == "auto":
+        mode = "gather" if c == t else "all_to_all"
+    x_TD = x_TD.astype(gate_EDF.dtype)
+    # Padding rows route to K distinct experts (a row's experts are distinct: local_experts relies on it).
+    x_TD, weight_TK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_TD, weight_TK))
+    idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
+    t_ax = tok_axes if tok_axes else None
+    e_ax = "expert" if "expert" in mesh.shape else None
+    f_ax = "tensor" if "tensor" in mesh.shape else None
+
+    def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
+        ex = (gate_eDf, up_eDf, down_efD)
+        if mode == "gather":
+            y_tD = _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile)
+        else:
+            y_tD = _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile)
+        if f_ax:
+            y_tD = jax.lax.psum(y_tD, f_ax)
+        return y_tD.astype(x_tD.dtype)
+
+    fn = jax.shard_map(local, mesh=mesh,
+                       in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None),
+                                 P(e_ax, None, f_ax), P(e_ax, None, f_ax), P(e_ax, f_ax, None)),
+                       out_specs=P(t_ax, None))
+    return fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+
+
+def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile):
+    e = ex[0].shape[0]
+    if e_ax is None:
+        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile)
+    me = jax.lax.axis_index(e_ax)
+    x_gD, idx_gK, w_gK = (jax.lax.all_gather(a, e_ax, tiled=True) for a in (x_tD, idx_tK, w_tK))
+    lid_gK = jnp.where(idx_gK // e == me, idx_gK - me * e, e)  # e = not on this device
+    y_gD = local_experts(x_gD, lid_gK, w_gK, *ex, impl=impl, tile=tile)
+    return jax.lax.psum_scatter(y_gD, e_ax, scatter_dimension=0, tiled=True)
+
+
+def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile):
+    t, D = x_tD.shape
+    e = ex[0].shape[0]
+    if e_ax is None:
+        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile)
+    dest_tK = idx_tK // e
+    lid_tNK = jnp.where(dest_tK[:, None, :] == jnp.arange(n)[None, :, None],
+                        idx_tK[:, None, :] - jnp.arange(n)[None, :, None] * e, e)
+    hit_tN = (lid_tNK < e).any(-1)
+    # tok_NS[d, s] = the s-th of my tokens bound for device d (t = none), laid out in rounds of c.
+    rounds_max = -(-t // c)
+    rank_tN = jnp.where(hit_tN, jnp.cumsum(hit_tN, axis=0) - 1, rounds_max * c)
+    tok_NS = jnp.full((n, rounds_max * c), t, jnp.int32).at[jnp.arange(n)[None, :], rank_tN].set(
+        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, n)), mode="drop")
+    rounds = -(-hit_tN.sum(0).max() // c)
+    rounds = jax.lax.pmax(rounds, tok_axes)  # every device runs the same rounds (the collectives must pair)
+    x_pD = jnp.concatenate([x_tD, jnp.zeros((1, D), x_tD.dtype)])
+    lid_pNK = jnp.concatenate([lid_tNK, jnp.full((1, n, lid_tNK.shape[-1]), e, lid_tNK.dtype)])
+    w_pK = jnp.concatenate([w_tK, jnp.zeros((1, w_tK.shape[-1]), w_tK.dtype)])
+
+    def one_round(acc_tD, r):
+        sel_NC = jax.lax.dynamic_slice_in_dim(tok_NS, r * c, c, axis=1)
+        send = (x_pD[sel_NC], lid_pNK[sel_NC, jnp.arange(n)[:, None]], w_pK[sel_NC])
+        x_NCD, lid_NCK, w_NCK = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in send)
+        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NCK.reshape(n * c, -1), w_NCK.reshape(n * c, -1),
+                             *ex, impl=impl, tile=tile)
+        # Back in the activation dtype (half the bytes in bf16); the sum over source devices is float32.
+        y_NCD = jax.lax.all_to_all(y_RD.astype(x_tD.dtype).reshape(n, c, D), e_ax, 0, 0, tiled=True)
+        return acc_tD.at[sel_NC].add(y_NCD.astype(jnp.float32), mode="drop")
+
+    def step(acc_tD, r):
+        return jax.lax.cond(r < rounds, one_round, lambda a, _: a, acc_tD, r), None
+
+    acc_tD, _ = jax.lax.scan(step, _zeros((t, D), jnp.float32, x_tD, *ex), jnp.arange(rounds_max))
+    return acc_tD
+
+
+def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64):
+    """Σ_k w_k · Expert_{lid_k}(x) over this device's experts, float32 [R, D]; slots with lid == e (the
+    number of local experts) belong elsewhere and add nothing."""
+    R, K = lid_RK.shape
+    e = gate_eDF.shape[0]
+    M = R * min(K, e)  # a row's K experts are distinct: at most min(K, e) of them are here
+    flat = lid_RK.reshape(-1)
+    order_M = jnp.argsort(flat, stable=True)[:M]  # this device's slots first, grouped by expert
+    e_sorted_M = flat[order_M]
+    sizes_e = jnp.bincount(flat, length=e + 1)[:e]
+    x_MD = x_RD[order_M // K]
+    if impl == "ragged":
+        y_MD = _ragged_swiglu(x_MD, sizes_e, gate_eDF, up_eDF, down_eFD)  # rows past Σ sizes come out 0
+    else:
+        y_MD = _sorted_tiled_swiglu(x_MD, e_sorted_M, sizes_e, gate_eDF, up_eDF, down_eFD, tile)
+    w_M = jnp.where(e_sorted_M < e, w_RK.reshape(-1)[order_M], 0.0)
+    return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
+
+
+def _sorted_tiled_swiglu(x_MD, e_sorted_M, sizes_e, gate_eDF, up_eDF, down_eFD, tile):
+    """moe.py's tiled path for rows already sorted by expert, with trailing rows (id e) that are not computed:
+    each expert's rows start at a multiple of `tile` and a scan runs only the tiles that hold rows."""
+    M, D = x_MD.shape
+    e = sizes_e.shape[0]
+    n_tiles = -(-(M + min(e, M) * (tile - 1)) // tile)
+    padded_e = -(-sizes_e // tile) * tile
+    pad_end_e = jnp.cumsum(padded_e)
+    ec_M = jnp.minimum(e_sorted_M, e - 1)
+    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_e) - sizes_e)[ec_M]
+    dest_M = jnp.where(e_sorted_M < e, (pad_end_e - padded_e)[ec_M] + rank_M, n_tiles * tile)  # past the end: dropped
+    src_P = jnp.full(n_tiles * tile, M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
+    x_pad_PD = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src_P]
+    tile_expert = jnp.minimum(jnp.searchsorted(pad_end_e, jnp.arange(n_tiles) * tile, side="right"), e - 1)
+    n_active = pad_end_e[-1] // tile
+
+    def body(_, inp):
+        j, ex, x_tD = inp
+        y_tD = jax.lax.cond(j < n_active, lambda: _swiglu(x_tD, gate_eDF[ex], up_eDF[ex], down_eFD[ex]),
+                            lambda: _zeros(x_tD.shape, x_tD.dtype, x_tD, down_eFD))
+        return None, y_tD
+
+    _, y_tiles = jax.lax.scan(body, None, (jnp.arange(n_tiles), tile_expert, x_pad_PD.reshape(n_tiles, tile, D)))
+    y_PD = jnp.concatenate([y_tiles.reshape(n_tiles * tile, D), jnp.zeros((1, D), x_MD.dtype)])
+    return y_PD[dest_M]
+
+
+def _zeros(shape, dtype, *like):
+    """Zeros that vary over the same manual mesh axes as all of `like` (shard_map's cond branches and scan
+    carries must agree on them); built from the values, so no version-specific typing API is needed."""
+    z = jnp.zeros(shape, dtype)
+    for a in like:
+        z = z + jnp.zeros_like(a, dtype, shape=())
+    return z

@@ -1,0 +1,134 @@
+"""Memory planning without hardware: bytes per device of the sharded params (and KV cache) on a mesh.
+
+Everything comes from the abstract param tree and the rules table in k2jax.sharding; nothing is allocated,
+so it serves the full 1T config on a laptop. Sharding is even (param_shardings refuses dimensions the mesh
+does not divide), so every device holds the same bytes of each tensor: total / (number of distinct shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k2jax.config import K2Config
+from k2jax.nn.model import abstract_params
+from k2jax.sharding import check_divisible, parse_mesh_spec, param_specs, shard_count
+
+GiB, GB = 2**30, 10**9
+# Memory per chip / GPU (vendor figures; GiB for TPUs, decimal GB for NVIDIA).
+PARTS = (("TPU v5e", 16 * GiB), ("TPU v6e", 32 * GiB), ("H100", 80 * GB), ("TPU v5p", 95 * GiB),
+         ("H200", 141 * GB))
+DTYPES = ("bfloat16", "float8", "float32")
+# FP8 as released: e4m3 weights plus one float32 scale per 128x128 block (4 / 128² bytes per weight).
+FP8_BYTES = 1 + 4 / (128 * 128)
+
+
+@dataclasses.dataclass
+class Plan:
+    """rows: (component, bytes on each device, bytes of one full copy); devices: how many."""
+
+    mesh: dict[str, int]
+    dtype: str
+    rows: list[tuple[str, float, float]]
+    devices: int
+
+    @property
+    def per_device(self) -> float:
+        return sum(r[1] for r in self.rows)
+
+    @property
+    def total(self) -> float:
+        return sum(r[2] for r in self.rows)
+
+    @property
+    def replication(self) -> float:
+        """Bytes held over all devices / bytes of one copy (1.0 = nothing stored twice)."""
+        return self.per_device * self.devices / self.total
+
+
+def _component(keys: list[str]) -> str:
+    if keys[0] in ("embed_tokens", "lm_head"):
+        return "embed + lm_head"
+    if "experts" in keys:
+        return "routed experts"
+    if "shared_experts" in keys:
+        return "shared experts"
+    if "gate" in keys:
+        return "router"
+    if "self_attn" in keys:
+        return "attention"
+    if "mlp" in keys:
+        return "dense MLP"
+    return "norms"
+
+
+def _bytes_per_element(keys: list[str], dtype, fp8: bool) -> float:
+    quantized = keys[0] in ("dense_layers", "moe_layers") and keys[-1] != "weight" and "gate" not in keys
+    return FP8_BYTES if fp8 and quantized else jnp.dtype(dtype).itemsize
+
+
+def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", batch: int = 0,
+         max_len: int = 0) -> Plan:
+    """Per-device bytes of `cfg` sharded by k2jax.sharding's rules on `mesh` ("expert=64,tensor=4").
+
+    dtype: "bfloat16", "float32" or "float8" (linear weights of the blocks in the released FP8 layout, the rest
+    bf16; the router stays float32 as the model keeps it). batch, max_len: add the latent KV cache, two tensors
+    per layer (ckv [B, S, kv_lora_rank], k_pe [B, S, qk_rope_head_dim]) in bf16 (float32 for float32),
+    batch sharded on (data, fsdp).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    shape = parse_mesh_spec(mesh)
+    fp8 = dtype == "float8"
+    act_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
+    shapes = abstract_params(cfg, act_dtype)
+    specs = param_specs(cfg)
+    check_divisible(specs, shapes, shape)
+    per_dev: dict[str, float] = {}
+    full: dict[str, float] = {}
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
+        keys = [k.key for k in path]
+        leaf = shapes
+        for k in keys:
+            leaf = leaf[k]
+        nbytes = math.prod(leaf.shape) * _bytes_per_element(keys, leaf.dtype, fp8)
+        shards = math.prod(shard_count(a, shape) for a in spec)
+        name = _component(keys)
+        per_dev[name] = per_dev.get(name, 0) + nbytes / shards
+        full[name] = full.get(name, 0) + nbytes
+    rows = [(name, per_dev[name], full[name]) for name in per_dev]
+    if batch or max_len:
+        batch_shards = shape["data"] * shape["fsdp"]
+        if batch <= 0 or max_len <= 0 or batch % batch_shards:
+            raise ValueError(f"KV cache: --batch ({batch}) must be a positive multiple of data*fsdp "
+                             f"({batch_shards}) and --max-len ({max_len}) positive")
+        kv = (cfg.num_hidden_layers * batch * max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+              * jnp.dtype(act_dtype).itemsize)
+        rows.append((f"KV cache {batch}x{max_len}", kv / batch_shards, kv))
+    return Plan(shape, dtype, rows, math.prod(shape.values()))
+
+
+def format_plan(p: Plan, reserve: float = 0.1) -> str:
+    """The text `k2jax plan` prints: per-device bytes per component and which parts hold it, keeping
+    `reserve` (a fraction of each part's memory) free for activations and compiler temporaries."""
+    mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items())
+    width = max(len(r[0]) for r in p.rows)
+    lines = [f"mesh {mesh} ({p.devices} devices), weights in {p.dtype}",
+             f"{'component':<{width}}  {'per device':>12}  {'one full copy':>14}"]
+    lines += [f"{name:<{width}}  {d / GiB:>8.2f} GiB  {f / GiB:>10.2f} GiB" for name, d, f in p.rows]
+    lines += [f"{'total':<{width}}  {p.per_device / GiB:>8.2f} GiB  {p.total / GiB:>10.2f} GiB",
+              "",
+              f"every device holds the same bytes; largest device: {p.per_device / GiB:.2f} GiB",
+              f"bytes over all devices: {p.per_device * p.devices / GiB:,.1f} GiB "
+              f"= {p.replication:.3f} x one copy",
+              "",
+              f"fits (keeping {reserve:.0%} of each part free):"]
+    for part, cap in PARTS:
+        usable = cap * (1 - reserve)
+        verdict = "yes" if p.per_device <= usable else "no "
+        lines.append(f"  {part:<8} {cap / GiB:6.1f} GiB  {verdict}  ({p.per_device / usable:.0%} of usable)")
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Sharding on 8 simulated CPU devices: the rules table, expert-parallel MoE equal to one device, planning."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k2jax import K2Config, K2Model, abstract_params, init_params, param_axes
+from k2jax.cli import main as cli_main
+from k2jax.expert_parallel import moe_expert_parallel
+from k2jax.nn.moe import moe_dense
+from k2jax.plan import plan
+from k2jax.sharding import RULES, make_mesh, param_shardings, use_mesh
+from tests.conftest import CONFIGS
+from tests.test_moe import experts, routing
+
+TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")  # 8 experts, top-2
+MESHES = ["expert=8", "data=2,expert=4", "expert=4,tensor=2", "data=2,expert=2,tensor=2"]
+
+
+def is_spec(x):
+    return isinstance(x, P)
+
+
+def test_make_mesh():
+    mesh = make_mesh("data=2,expert=4")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(ValueError, match="multiply to 4, but there are 8 devices"):
+        make_mesh("expert=4")
+    with pytest.raises(ValueError, match="unknown axis 'experts'"):
+        make_mesh("experts=8")
+    with pytest.raises(ValueError, match="expected AXIS=SIZE"):
+        make_mesh("expert:8")
+
+
+def test_param_shardings_follow_the_rules_table():
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    shardings = param_shardings(TINY, mesh)
+    table = dict(RULES)
+    for (path, names), sharding in zip(jax.tree_util.tree_leaves_with_path(param_axes(TINY), is_leaf=is_spec),
+                                       jax.tree_util.tree_leaves(shardings)):
+        assert sharding.mesh is mesh
+        expected = tuple(table[name] for name in names)
+        got = tuple(sharding.spec) + (None,) * (len(names) - len(sharding.spec))
+        assert got == expected, (jax.tree_util.keystr(path), names, got)
+        if "experts" in names:  # nothing expert-sized is replicated
+            assert got[names.index("experts")] == "expert"
+        assert got[0] is None or names[0] != "layers"
+    moe = shardings["moe_layers"]["mlp"]
+    assert moe["experts"]["gate_proj"].spec == P(None, "expert", "fsdp", "tensor")
+    assert moe["experts"]["down_proj"].spec == P(None, "expert", "tensor", "fsdp")
+    assert moe["shared_experts"]["gate_proj"].spec == P(None, "fsdp", "tensor")
+    assert shardings["moe_layers"]["self_attn"]["q_b_proj"].spec == P(None, None, "tensor", None)
+    assert shardings["lm_head"].spec == P("fsdp", "tensor")
+    with pytest.raises(ValueError, match=r"moe_layers.*experts.*divisible by mesh axes expert"):
+        param_shardings(TINY.replace(n_routed_experts=6, n_group=1), make_mesh("expert=4,tensor=2"))
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    params = init_params(TINY, jax.random.PRNGKey(0))
+    # Uneven routing by construction: scores are in (0, 1), so +6 makes expert 0 every token's choice and -6
+    # keeps experts 4-7 from ever being chosen (top-2 always finds a bias-0 expert among 1-3).
+    bias = params["moe_layers"]["mlp"]["gate"]["e_score_correction_bias"]
+    params["moe_layers"]["mlp"]["gate"]["e_score_correction_bias"] = jnp.broadcast_to(
+        jnp.array([6.0, 0, 0, 0, -6, -6, -6, -6]), bias.shape)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 8), 0, TINY.vocab_size)
+    step = jax.jit(lambda p, t: K2Model(TINY).apply({"params": p}, t))
+    return params, tokens, step(params, tokens)
+
+
+@pytest.mark.parametrize("spec", MESHES)
+def test_sharded_logits_equal_one_device(model_and_params, spec):
+    params, tokens, reference = model_and_params
+    mesh = make_mesh(spec)
+    sharded = jax.device_put(params, param_shardings(TINY, mesh))
+    n, E = mesh.shape["expert"], TINY.n_routed_experts
+    for name, w in sharded["moe_layers"]["mlp"]["experts"].items():
+        assert len(w.addressable_shards) == 8
+        for shard in w.addressable_shards:
+            assert shard.data.shape[1] == E // n, (name, shard.data.shape)
+    with use_mesh(mesh):
+        logits = jax.jit(lambda p, t: K2Model(TINY).apply({"params": p}, t))(sharded, tokens)
+    np.testing.assert_allclose(logits, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec, mode, capacity", [("expert=4,tensor=2", "gather", 1.25),
+                                                   ("data=2,expert=2,tensor=2", "all_to_all", 1.25),
+                                                   ("expert=4,tensor=2", "all_to_all", 0.2)])
+def test_exchanges_equal_dense(spec, mode, capacity):
+    """Both exchanges, with 50 tokens (padded to the token groups), one expert taking every token and half
+    the experts idle; capacity 0.2 forces several all-to-all rounds."""
+    T, E, K, D, F = 50, 16, 4, 24, 20
+    key = jax.random.PRNGKey(5)
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, skew=6.0)
+    reference = moe_dense(x, idx, wt, *w)
+    with use_mesh(make_mesh(spec)):
+        for impl in ("tiled", "ragged"):
+            got = jax.jit(lambda *a: moe_expert_parallel(*a, mode=mode, impl=impl, tile=4,
+                                                         capacity_factor=capacity))(x, idx, wt, *w)
+            np.testing.assert_allclose(got, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_all_to_all_gradients_equal_dense():
+    T, E, K, D, F = 48, 16, 4, 24, 20
+    key = jax.random.PRNGKey(0)
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, skew=3.0)
+
+    def loss(fn):
+        return lambda x, wt, w: jnp.sum(jnp.sin(fn(x, idx, wt, *w)))
+
+    reference = jax.grad(loss(moe_dense), argnums=(0, 1, 2))(x, wt, w)
+    sharded = loss(lambda *a: moe_expert_parallel(*a, mode="all_to_all", tile=4, capacity_factor=0.3))
+    with use_mesh(make_mesh("expert=4,tensor=2")):
+        got = jax.jit(jax.grad(sharded, argnums=(0, 1, 2)))(x, wt, w)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_per_device_bytes_match_the_placed_arrays(model_and_params):
+    spec = "data=2,expert=2,tensor=2"
+    mesh = make_mesh(spec)
+    p = plan(TINY, spec, "float32", batch=4, max_len=16)
+    # What the devices really hold once the params are placed, and one copy times each tensor's replication.
+    held = one_copy_x_replication = 0
+    placed = jax.device_put(model_and_params[0], param_shardings(TINY, mesh))
+    for a in jax.tree_util.tree_leaves(placed):
+        held += sum(s.data.nbytes for s in a.addressable_shards)
+        distinct = {tuple((i.start, i.stop) for i in idx) for idx in a.sharding.devices_indices_map(a.shape).values()}
+        one_copy_x_replication += a.nbytes * 8 / len(distinct)
+    params_rows = [r for r in p.rows if not r[0].startswith("KV cache")]
+    assert sum(r[1] for r in params_rows) * p.devices == held == one_copy_x_replication
+    assert sum(r[2] for r in params_rows) == sum(a.nbytes for a in jax.tree_util.tree_leaves(placed))
+    # KV cache: 2 tensors per layer, batch split over data only (replicated over expert and tensor).
+    kv = [r for r in p.rows if r[0].startswith("KV cache")][0]
+    assert kv[2] == TINY.num_hidden_layers * 4 * 16 * (TINY.kv_lora_rank + TINY.qk_rope_head_dim) * 4
+    assert kv[1] * p.devices == kv[2] * 4
+    assert p.per_device * p.devices == pytest.approx(p.total * p.replication)
+
+
+def test_plan_command_full_kimi_k2(capsys):
+    assert cli_main(["plan", str(CONFIGS / "kimi_k2.json"), "--mesh", "expert=64,tensor=4"]) == 0
+    out = capsys.readouterr().out
+    experts_bytes = 60 * 384 * 3 * 7168 * 2048 * 2  # 60 MoE blocks, bf16
+    line = next(ln for ln in out.splitlines() if ln.startswith("routed experts"))
+    assert f"{experts_bytes / 256 / 2**30:.2f} GiB" in line
+    assert "TPU v5p" in out and "H200" in out
+    assert cli_main(["plan", str(CONFIGS / "kimi_k2.json"), "--mesh", "expert=5"]) == 2
+    assert "not divisible by mesh axes expert" in capsys.readouterr().err
+
+
+def test_full_width_kimi_k2_moe_block_compiles_with_an_eighth_per_device():
+    from bench.compile_full_width import compile_block
+
+    compiled, block_bytes, _ = compile_block("expert=8", tokens=64)
+    cfg = K2Config.from_hf_config(CONFIGS / "kimi_k2.json").replace(num_hidden_layers=2, first_k_dense_replace=1)
+    moe = abstract_params(cfg, jnp.bfloat16)["moe_layers"]
+    expert_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(moe["mlp"]["experts"]))
+    assert expert_bytes > 0.98 * block_bytes
+    inputs = 64 * 7168 * 2 + 64 * 4 + 64 * 64
+    expected = expert_bytes / 8 + (block_bytes - expert_bytes) + inputs  # the rest is replicated on expert=8
+    args = compiled.memory_analysis().argument_size_in_bytes
+    assert args == pytest.approx(expected, rel=1e-3)
+    assert args / (block_bytes / 8) < 1.1
