@@ -1,0 +1,137 @@
+"""Conversion throughput against `cp` of the same source bytes, and the converter's peak memory.
+
+A synthetic FP8 checkpoint in the released layout (k2jax.testing; wide enough that tensors are MBs, a few GB in
+all) is converted end to end by `tools/convert/convert.py` in a child process (its peak RSS from wait4), and
+copied with `cp -r`, both after dropping the source from the page cache (posix_fadvise DONTNEED) and both
+including the flush of what they wrote (sync). Prints source GB/s, the ratio to cp, peak RSS against the largest
+decoder block (converted), and the projected time for the 959 GB release on this disk.
+
+    python bench/convert.py [--dir /tmp/k2jax-bench-convert] [--layers 8] [--experts 64] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import shutil
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RELEASE_BYTES = 959e9
+
+
+def bench_config(layers: int, experts: int) -> dict:
+    """Kimi K2's shape at 2/7 of its width: tensors of 1-10 MB, like the release's 7168 x 2048 experts."""
+    cfg = json.loads((REPO / "configs" / "kimi_k2.json").read_text())
+    cfg.update(hidden_size=2048, intermediate_size=5120, moe_intermediate_size=1024, num_hidden_layers=layers,
+               num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=256,
+               n_routed_experts=experts, num_experts_per_tok=8, first_k_dense_replace=1, vocab_size=32768)
+    cfg.pop("auto_map", None)
+    return cfg
+
+
+def drop_cache(root: pathlib.Path) -> None:
+    os.sync()
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(cmd: list[str]) -> tuple[float, int, float]:
+    """Wall seconds (command + sync of what it wrote), the child's peak RSS in bytes, its CPU seconds."""
+    from k2jax.testing import run_measured
+
+    t = time.perf_counter()
+    status, rss, _, cpu = run_measured(cmd)
+    os.sync()
+    wall = time.perf_counter() - t
+    if status:
+        raise SystemExit(f"{' '.join(cmd)}: exit {status}")
+    return wall, rss, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/k2jax-bench-convert", help="work directory (source kept for reruns)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float8"))
+    ap.add_argument("--workers", type=int, default=None)
+    args = ap.parse_args()
+
+    from k2jax import K2Config
+    from k2jax.testing import write_release_checkpoint
+
+    work = pathlib.Path(args.dir)
+    src = work / "src"
+    cfg_dict = bench_config(args.layers, args.experts)
+    stamp = src / "bench_config.json"
+    if not stamp.is_file() or json.loads(stamp.read_text()) != cfg_dict:
+        shutil.rmtree(src, ignore_errors=True)
+        t = time.perf_counter()
+        write_release_checkpoint(cfg_dict, src, fast=True, shard_bytes=512 << 20)
+        stamp.write_text(json.dumps(cfg_dict))
+        print(f"wrote the synthetic source in {time.perf_counter() - t:.1f} s")
+    cfg = K2Config.from_hf_config(src)
+    src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    nfiles = len(list(src.glob("*.safetensors")))
+    block_bytes = largest_block_bytes(cfg, args.dtype)
+
+    dst, copy = work / "dst", work / "cp"
+    for d in (dst, copy):
+        shutil.rmtree(d, ignore_errors=True)
+    drop_cache(src)
+    t_cp, _, cpu_cp = timed(["cp", "-r", str(src), str(copy)])
+    shutil.rmtree(copy)
+    drop_cache(src)
+    cmd = [sys.executable, str(REPO / "tools" / "convert" / "convert.py"), str(src), str(dst), "--quiet",
+           "--dtype", args.dtype] + (["--workers", str(args.workers)] if args.workers else [])
+    t_cv, rss, cpu_cv = timed(cmd)
+    out_bytes = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+    shutil.rmtree(dst)
+
+    gbs_cp, gbs_cv = src_bytes / t_cp / 1e9, src_bytes / t_cv / 1e9
+    print(f"source: {src_bytes / 1e9:.2f} GB in {nfiles} files ({cfg.num_hidden_layers} layers, "
+          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}); output {args.dtype}: {out_bytes / 1e9:.2f} GB;"
+          f" {os.cpu_count()} CPUs")
+    print(f"{'':12}{'seconds':>10}{'src GB/s':>10}{'vs cp':>8}{'CPU s/GB':>10}")
+    print(f"{'cp -r':12}{t_cp:>10.2f}{gbs_cp:>10.3f}{1.0:>8.2f}{cpu_cp / (src_bytes / 1e9):>10.2f}")
+    print(f"{'convert':12}{t_cv:>10.2f}{gbs_cv:>10.3f}{gbs_cv / gbs_cp:>8.2f}{cpu_cv / (src_bytes / 1e9):>10.2f}"
+          f"   (goal >= 0.50)")
+    print(f"peak RSS {rss / 2**30:.2f} GiB; largest block converted {block_bytes / 2**30:.2f} GiB; "
+          f"ratio {rss / block_bytes:.2f} (goal < 2)")
+    print(f"projected for the 959 GB release at this rate: convert {RELEASE_BYTES / gbs_cv / 1e9 / 3600:.2f} h, "
+          f"cp {RELEASE_BYTES / gbs_cp / 1e9 / 3600:.2f} h")
+
+
+def largest_block_bytes(cfg, dtype: str) -> int:
+    """Bytes of the biggest decoder block's converted params (a slot of every stacked leaf)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k2jax import abstract_params
+
+    dt = jnp.bfloat16 if dtype == "float8" else jnp.dtype(dtype)
+    tree = abstract_params(cfg, dt)
+    best = 0
+    for group in ("dense_layers", "moe_layers"):
+        if group in tree:
+            leaves = jax.tree.leaves(tree[group])
+            per = sum(math.prod(l.shape[1:]) * (1 if dtype == "float8" and l.ndim > 2 and l.dtype == dt
+                                                else jnp.dtype(l.dtype).itemsize) for l in leaves)
+            best = max(best, per)
+    return best
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,491 @@
+"""Released FP8 safetensors -> k2jax Orbax checkpoint (see orbax_io for the layout): streaming, verified,
+resumable.
+
+    source headers --verify all--> plan --per tensor, N threads--> read -> check -> dequantize / keep e4m3
+        -> k2jax layout -> write its (layer, expert) slot of the stacked array -> unit done marker
+        -> all units done: config.json, Orbax _METADATA, manifest (the completion marker), last
+
+Memory: at most 2 x workers tensors are in flight at once, so the peak is a few tensors' worth, independent
+of the number of blocks. Work is tracked in units (the global tensors, then one unit per decoder layer): a
+unit's marker is written only after all of its chunks are on disk, so a rerun after a kill (any signal,
+any moment) redoes only unfinished units and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+
+from k2jax.checkpoint import names as N
+from k2jax.checkpoint import orbax_io as O
+from k2jax.checkpoint.fp8 import dequantize, scale_shape
+from k2jax.checkpoint.hf import MAX_LISTED, Source, check_checkpoint
+from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint, SafetensorsFile, read_index
+from k2jax.config import K2Config
+
+DTYPES = ("bfloat16", "float32", "float8")
+GLOBAL_UNIT = "globals"
+# Testing hook: SIGKILL this process after that many tensors are written (tests/test_convert.py).
+KILL_AFTER_ENV = "K2JAX_CONVERT_TEST_KILL_AFTER"
+
+
+class ConvertError(ValueError):
+    """Bad input or a failed conversion; the message says what and where."""
+
+
+@dataclasses.dataclass
+class Stats:
+    units_total: int = 0
+    units_converted: int = 0  # by this run
+    units_skipped: int = 0  # already done by an earlier (interrupted) run, or outside --layers
+    tensors: int = 0
+    bytes_read: int = 0
+    units_left: int = 0  # not done yet by any run (other --layers ranges)
+    seconds: float = 0.0
+    complete: bool = False
+
+
+def unit_of(t: N.Target) -> str:
+    return GLOBAL_UNIT if t.hf_layer is None else f"layer-{t.hf_layer:05d}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Verification (before anything is written)
+def open_source(src: pathlib.Path) -> tuple[K2Config, Checkpoint]:
+    """Config and checkpoint of SRC; every unreadable header is reported together."""
+    if not src.exists():
+        raise ConvertError(f"SRC {src}: no such file or directory")
+    if not src.is_dir():
+        raise ConvertError(f"SRC {src}: not a directory (expected a HuggingFace checkpoint directory)")
+    cfg = K2Config.from_hf_config(src)
+    if (src / INDEX_NAME).is_file():
+        files = sorted(set(read_index(src / INDEX_NAME).values()))
+    elif (src / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        raise ConvertError(f"SRC {src}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    problems = []
+    for f in files:
+        if not (src / f).is_file():
+            continue  # reported by Checkpoint with the tensors it was meant to hold
+        try:
+            SafetensorsFile(src / f).close()
+        except (ValueError, OSError) as e:
+            problems.append(str(e))
+    raise_all(problems, src)
+    return cfg, Checkpoint(src)
+
+
+def raise_all(problems: list[str], where) -> None:
+    if problems:
+        more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+        raise ConvertError(f"{where}: {len(problems)} problem(s), nothing converted:\n  - "
+                           + "\n  - ".join(problems[:MAX_LISTED]) + more)
+
+
+def plan_leaves(cfg: K2Config, dtype: str, block) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Leaf name -> {"shape", "dtype", "chunks"} of the converted tree, and the float8 weights' scale info."""
+    import jax
+    import jax.numpy as jnp
+
+    from k2jax.nn.model import abstract_params
+
+    tree = abstract_params(cfg, jnp.bfloat16 if dtype == "float8" else jnp.dtype(dtype))
+    info = {}  # leaf -> Target of one of its tensors (the rule decides fp8 / transform / stack axes)
+    layers = {i for i in (0, cfg.num_dense_layers) if i < cfg.num_hidden_layers}
+    for name in N.global_names(cfg) + [n for i in sorted(layers) for n in N.layer_names(cfg, i)]:
+        t = N.resolve(name, cfg)
+        info.setdefault(O.leaf_name(t.leaf), t)
+    leaves, fp8 = {}, {}
+    for p, v in jax.tree_util.tree_leaves_with_path(tree):
+        name = O.leaf_name(tuple(k.key for k in p))
+        t = info[name]
+        stack = len(t.index)  # leading (layer, expert) axes
+        dt = np.dtype(v.dtype)
+        if dtype == "float8" and t.fp8:
+            dt = O._DTYPES["float8_e4m3fn"]
+            slot = v.shape[stack:]
+            out, inn = t.transform.source_shape(slot)
+            in_ndim = len(slot) - 1 if t.transform is N.T.TRANSPOSE_SPLIT_IN else 1
+            sname = name + O.SCALE_SUFFIX
+            sshape = (*v.shape[:stack], *scale_shape((inn, out), tuple(block)[::-1]))
+            leaves[sname] = _spec(sshape, np.dtype(np.float32), stack)
+            fp8[name] = {"scale": sname, "in_ndim": in_ndim}
+        leaves[name] = _spec(v.shape, dt, stack)
+    return dict(sorted(leaves.items())), fp8
+
+
+def _spec(shape, dt, stack):
+    return {"shape": list(shape), "dtype": O.dtype_name(dt), "chunks": list(O.chunk_shape(shape, stack, dt.itemsize))}
+
+
+def parse_layers(spec: str | None, n: int) -> range:
+    """'a:b' (either side optional) or 'a' -> the HF layers to convert."""
+    if spec is None:
+        return range(n)
+    m = re.fullmatch(r"\s*(\d*)\s*(:?)\s*(\d*)\s*", spec)
+    if not m or (not m.group(2) and not m.group(1)):
+        raise ConvertError(f"--layers {spec!r}: expected a:b (layer indices, b exclusive), e.g. 0:30")
+    a = int(m.group(1) or 0)
+    b = int(m.group(3) or n) if m.group(2) else a + 1
+    if not 0 <= a < b <= n:
+        raise ConvertError(f"--layers {spec!r}: need 0 <= a < b <= num_hidden_layers ({n})")
+    return range(a, b)
+
+
+def fingerprint(src: pathlib.Path, ckpt: Checkpoint, dtype: str) -> str:
+    """What makes a conversion's bytes: the source (config, file names and sizes, every header), the output
+    dtype and the layout. A rerun resumes only a job with the same fingerprint."""
+    h = hashlib.sha256()
+    h.update((src / "config.json").read_bytes())
+    for f in sorted(ckpt.files):
+        sf = ckpt.files[f]
+        h.update(json.dumps([f, sf.size, sorted(sf.tensors.items())]).encode())
+    h.update(json.dumps([dtype, O.LAYOUT_VERSION]).encode())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Destination state
+def prepare_dst(dst: pathlib.Path, job: str, overwrite: bool) -> str:
+    """-> "fresh" | "resume" | "done" (the same job already complete). Refuses to touch anything else."""
+    if dst.exists() and not dst.is_dir():
+        raise ConvertError(f"DST {dst} exists and is not a directory")
+    manifest, progress = dst / O.MANIFEST, dst / O.PROGRESS
+    if dst.is_dir() and any(dst.iterdir()):
+        if manifest.is_file():
+            try:
+                same = json.loads(manifest.read_text()).get("job") == job
+            except (json.JSONDecodeError, OSError):
+                same = False
+            if not overwrite:
+                if same:
+                    shutil.rmtree(progress, ignore_errors=True)  # left by a kill just after completion
+                    return "done"
+                raise ConvertError(f"DST {dst} is a complete k2jax checkpoint (of another source or dtype): "
+                                   f"pass --overwrite to replace it")
+            manifest.unlink()  # first: from here on it no longer passes for complete
+        elif progress.is_dir():
+            try:
+                same = json.loads((progress / "job.json").read_text()).get("job") == job
+            except (json.JSONDecodeError, OSError):
+                same = False
+            if same:
+                _remove_partial_writes(dst)
+                return "resume"  # even with --overwrite: a rerun of the same command must not lose work
+            if not overwrite:
+                raise ConvertError(f"DST {dst} holds an unfinished conversion of another source or dtype: pass "
+                                   f"--overwrite to discard it")
+        else:
+            raise ConvertError(f"DST {dst} exists, is not empty and is not a k2jax checkpoint: refusing to write "
+                               f"into it (even with --overwrite); choose an empty or new directory")
+        shutil.rmtree(dst)
+    try:
+        (dst / O.PROGRESS / "done").mkdir(parents=True, exist_ok=True)
+        O.atomic_write(dst / O.PROGRESS / "job.json", json.dumps({"job": job}))
+    except OSError as e:
+        raise ConvertError(f"DST {dst}: cannot write there: {e.strerror or e}") from None
+    return "fresh"
+
+
+def _remove_partial_writes(dst: pathlib.Path) -> None:
+    """Delete what a killed tensorstore write leaves (its lock and temp files; chunks land by rename, so a
+    chunk file itself is whole or absent): the resumed checkpoint then has exactly a fresh run's files."""
+    for leaf in os.scandir(dst):
+        if leaf.is_dir() and leaf.name != O.PROGRESS:
+            for f in os.scandir(leaf.path):
+                if ".__lock" in f.name or ".__tmp_" in f.name:
+                    os.unlink(f.path)
+
+
+# ------------------------------------------------------------------------------------------------------
+def _nonfinite(x: np.ndarray) -> int:
+    """Count of NaN / inf elements, by bit pattern (fast for bf16 and e4m3, which numpy does not know)."""
+    if x.dtype == O._DTYPES["float8_e4m3fn"]:
+        return int(np.count_nonzero((x.view(np.uint8) & 0x7F) == 0x7F))  # e4m3fn: NaN only
+    if x.dtype == O._DTYPES["bfloat16"]:
+        return int(np.count_nonzero((x.view(np.uint16) & 0x7F80) == 0x7F80))
+    if x.dtype == np.float16:
+        return int(np.count_nonzero((x.view(np.uint16) & 0x7C00) == 0x7C00))
+    return int(x.size - np.count_nonzero(np.isfinite(x)))
+
+
+def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block, dtype) -> np.ndarray:
+    """fp8 [out, in] with block scales -> dtype [in, out], C-contiguous: `fp8.dequantize(w, scale, block,
+    float32).astype(dtype).T`, bit for bit, as one fused XLA loop on the host CPU (decode, scale, round and
+    transpose in one pass: about 2x faster than numpy's separate passes)."""
+    return np.asarray(_dequantize_t()(w_OI, scale, tuple(block), np.dtype(dtype)))
+
+
+@functools.cache
+def _dequantize_t():
+    import jax  # here, not at import: `k2jax --help` stays quick
+
+    return jax.jit(lambda w, s, block, dtype: dequantize(w, s, block, np.float32).astype(dtype).T,
+                   static_argnums=(2, 3))
+
+
+class _Converter:
+    """Per-tensor work: read, check, dequantize or keep, re-layout, write into its slot."""
+
+    def __init__(self, cfg, ckpt, dst, dtype, block, leaves, fp8, workers):
+        self.cfg, self.ckpt, self.dtype, self.block, self.fp8 = cfg, ckpt, dtype, block, fp8
+        ctx = O.ts_context(workers)
+        self.arrays = {n: O.open_array(dst, n, spec, ctx, create=True) for n, spec in leaves.items()}
+        self.leaf_dtype = {n: np.dtype(O._DTYPES[s["dtype"]]) for n, s in leaves.items()}
+
+    def __call__(self, src: Source) -> str | None:
+        """Convert one tensor; -> a problem found in its data (nothing written), or None."""
+        t, ckpt = src.target, self.ckpt
+        name = O.leaf_name(t.leaf)
+        raw = ckpt.read(t.name)
+        bad = _nonfinite(raw)
+        if bad:
+            return f"{t.name!r} ({ckpt.file_of(t.name)}): {bad} NaN/inf value(s) in the data"
+        slot = N.slot_shape(t, self.cfg)
+        writes = []
+        if name in self.fp8:
+            scale = ckpt.read(src.scale).astype(np.float32)
+            writes.append(self._slot(self.fp8[name]["scale"], t).write(scale.T))
+            x = t.transform.forward(raw, slot)
+        elif src.scale is not None and t.transform.forward is N.T.TRANSPOSE.forward:  # every FP8 weight
+            # as load_hf: products in float32, one rounding to the target dtype; x.T.reshape(slot) = forward
+            x = dequantize_transposed(raw, ckpt.read(src.scale), self.block, self.leaf_dtype[name]).reshape(slot)
+        else:
+            if src.scale is not None:
+                raw = dequantize(raw, ckpt.read(src.scale), self.block, np.float32)
+            x = t.transform.forward(raw.astype(self.leaf_dtype[name], copy=False), slot)
+        writes.append(self._slot(name, t).write(x))
+        for w in writes:
+            w.result()
+        return None
+
+    def _slot(self, name, t):
+        a = self.arrays[name]
+        return a[t.index] if t.index else a
+
+
+def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layers: str | None = None,
+            overwrite: bool = False, quiet: bool = False, log=print) -> Stats:
+    """Convert the HF checkpoint directory `src` into `dst` (see the module docstring). Returns Stats;
+    raises ConvertError (or OSError / SafetensorsError) with every problem found, writing nothing on bad input.
+
+    layers 'a:b' converts only those decoder layers (and the global tensors when a == 0): runs over disjoint
+    ranges, e.g. one per host, fill one DST, and whichever finishes the last unit marks it complete.
+    """
+    t0 = time.perf_counter()
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    workers = workers or min(8, os.cpu_count() or 1)
+    if workers < 1:
+        raise ConvertError(f"--workers {workers}: need at least 1")
+    cfg, ckpt = open_source(src)
+    with ckpt:
+        plan = check_checkpoint(cfg, ckpt)
+        problems = list(plan.problems)
+        if dtype == "float8":
+            problems += [f"{s.target.name!r} ({ckpt.file_of(s.target.name)}): {s.dtype}, but --dtype float8 keeps "
+                         f"the release's F8_E4M3 weights (convert a float checkpoint with --dtype bfloat16)"
+                         for s in plan.sources if s.target.fp8 and s.dtype != "F8_E4M3"]
+        raise_all(problems, src)
+        todo_layers = parse_layers(layers, cfg.num_hidden_layers)
+        leaves, fp8 = plan_leaves(cfg, dtype, plan.block)
+        job = fingerprint(src, ckpt, dtype)
+        state = prepare_dst(dst, job, overwrite)
+        units = {GLOBAL_UNIT} | {f"layer-{i:05d}" for i in range(cfg.num_hidden_layers)}
+        stats = Stats(units_total=len(units))
+        if state == "done":
+            stats.units_skipped, stats.complete = len(units), True
+            log(f"{dst}: already holds this conversion, complete; nothing to do")
+            return stats
+        done_dir = dst / O.PROGRESS / "done"
+        wanted = {f"layer-{i:05d}" for i in todo_layers} | ({GLOBAL_UNIT} if todo_layers.start == 0 else set())
+        done = {p.name for p in done_dir.iterdir()}
+        run_units = wanted - done
+        stats.units_skipped = len(units) - len(run_units)
+        sources = [s for s in plan.sources if unit_of(s.target) in run_units]
+        order = {f: k for k, f in enumerate(sorted(ckpt.files, key=_natural))}
+        sources.sort(key=lambda s: (order[ckpt.file_of(s.target.name)], ckpt.tensors[s.target.name].begin))
+        if not quiet and done & wanted:
+            log(f"{dst}: resuming: {len(done & wanted)} of {len(wanted)} units already converted")
+        try:
+            conv = _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, workers)
+        except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
+            raise ConvertError(f"DST {dst}: cannot create the arrays: {_first_line(e)}") from None
+        pending = {u: 0 for u in run_units}
+        for s in sources:
+            pending[unit_of(s.target)] += 1
+        data_problems = _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats)
+        raise_all(data_problems, src)
+        stats.units_left = len(units - {p.name for p in done_dir.iterdir()})
+        stats.complete = stats.units_left == 0
+        if stats.complete:
+            finalize(src, dst, cfg, ckpt, dtype, plan.block, leaves, fp8, job)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+def _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats) -> list[str]:
+    """Convert `sources` on `workers` threads, at most 2 x workers in flight; mark units as they finish."""
+    from tqdm import tqdm
+
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    nbytes = {id(s): ckpt.tensors[s.target.name].nbytes + (ckpt.tensors[s.scale].nbytes if s.scale else 0)
+              for s in sources}
+    problems, failed_units = [], set()
+    for u in [u for u, n in pending.items() if n == 0]:  # a unit with nothing in it (cannot happen in practice)
+        _mark(done_dir, u)
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, unit_divisor=1024, disable=quiet,
+               desc="convert", smoothing=0.1, dynamic_ncols=True)
+    it = iter(sources)
+    with cf.ThreadPoolExecutor(workers, thread_name_prefix="k2jax-convert") as pool, bar:
+        inflight: dict[cf.Future, Source] = {}
+        try:
+            while True:
+                while len(inflight) < 2 * workers and (s := next(it, None)) is not None:
+                    inflight[pool.submit(conv, s)] = s
+                if not inflight:
+                    break
+                finished, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+                for f in finished:
+                    s = inflight.pop(f)
+                    unit = unit_of(s.target)
+                    try:
+                        problem = f.result()
+                    except Exception as e:  # I/O: nothing sensible to continue with
+                        raise ConvertError(f"{s.target.name!r} ({ckpt.file_of(s.target.name)}): "
+                                           f"{type(e).__name__}: {_first_line(e)}") from None
+                    if problem:
+                        problems.append(problem)
+                        failed_units.add(unit)
+                    stats.tensors += 1
+                    stats.bytes_read += nbytes[id(s)]
+                    bar.update(nbytes[id(s)])
+                    pending[unit] -= 1
+                    if pending[unit] == 0 and unit not in failed_units:
+                        _mark(done_dir, unit)
+                        stats.units_converted += 1
+                    if kill_after and stats.tensors >= kill_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+        except BaseException:
+            for f in inflight:
+                f.cancel()
+            raise
+    return problems
+
+
+def _mark(done_dir: pathlib.Path, unit: str) -> None:
+    O.atomic_write(done_dir / unit, "")
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _first_line(e: BaseException) -> str:
+    return re.sub(r"\s*\[source locations=.*", "", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+
+
+def finalize(src, dst, cfg, ckpt, dtype, block, leaves, fp8, job) -> None:
+    """config.json, Orbax metadata, then the manifest: the checkpoint is complete once the manifest exists."""
+    from k2jax import __version__
+
+    hf = json.loads((src / "config.json").read_text())
+    if dtype != "float8":
+        hf.pop("quantization_config", None)
+    hf["torch_dtype"] = "bfloat16" if dtype == "float8" else dtype
+    O.atomic_write(dst / "config.json", json.dumps(hf, indent=2))
+    O.write_orbax_metadata(dst, leaves)
+    scales = {f["scale"] for f in fp8.values()}
+    manifest = {
+        "format": "k2jax orbax checkpoint", "layout_version": O.LAYOUT_VERSION, "tool_version": __version__,
+        "dtype": dtype, "param_count": sum(int(np.prod(s["shape"])) for n, s in leaves.items() if n not in scales),
+        "fp8_block": list(block), "job": job,
+        "source": {"files": [{"name": f, "size": ckpt.files[f].size} for f in sorted(ckpt.files, key=_natural)],
+                   "tensors": len(ckpt.tensors)},
+        "leaves": leaves, "fp8": fp8,
+    }
+    O.atomic_write(dst / O.MANIFEST, json.dumps(manifest, indent=1))
+    shutil.rmtree(dst / O.PROGRESS, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Command line (tools/convert/convert.py and `k2jax convert`)
+DESCRIPTION = """\
+Convert a HuggingFace DeepSeek-V3 / Kimi K2 checkpoint (the released FP8 safetensors, or bf16/f32) into a
+k2jax Orbax checkpoint that `k2jax.load(DST)` (or a plain Orbax restore) reads, sharded, straight onto devices.
+
+Every header and FP8 scale is verified first, against config.json; all problems are listed together and
+nothing is written. Conversion streams tensor by tensor on --workers threads (memory: a few tensors, not the
+model), and can be killed at any moment: rerun the same command to resume. DST is marked complete only at
+the very end (k2jax_manifest.json); a complete DST is replaced only with --overwrite.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC", help="HF checkpoint directory: config.json, model.safetensors.index.json "
+                                              "(or model.safetensors) and the shard files")
+    p.add_argument("dst", metavar="DST", help="output directory (created; resumed if a same-job conversion was "
+                                              "interrupted)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="bfloat16 (default) or float32: FP8 weights dequantized with their 128x128 block scales; "
+                        "float8: keep the e4m3 weights and store their scales beside them (dequantized on load)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="threads reading, dequantizing and writing (default: min(8, CPUs))")
+    p.add_argument("--layers", metavar="A:B", default=None,
+                   help="convert only decoder layers A..B-1 (plus embeddings/norm/lm_head when A is 0), e.g. to "
+                        "split the work over hosts sharing DST; the last run to finish marks DST complete")
+    p.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint (or another job's "
+                                                            "unfinished one) at DST")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or log lines, only errors")
+
+
+def run(args: argparse.Namespace, prog: str = "k2jax convert") -> int:
+    """Run a parsed command line; -> exit status. Errors are one cause (or one list of problems), no traceback."""
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    try:
+        stats = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, layers=args.layers,
+                        overwrite=args.overwrite, quiet=args.quiet, log=log)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # ConvertError, SafetensorsError, config errors, I/O
+        msg = str(e) if isinstance(e, ValueError) else f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")
+        print(f"{prog}: error: {msg}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug: still one line, the traceback on request
+        if os.environ.get("K2JAX_DEBUG"):
+            raise
+        print(f"{prog}: internal error: {type(e).__name__}: {_first_line(e)} (K2JAX_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+    gb = stats.bytes_read / 1e9
+    if stats.complete:
+        log(f"{args.dst}: complete. {stats.tensors} tensors, {gb:.2f} GB read in {stats.seconds:.1f} s "
+            f"({gb / max(stats.seconds, 1e-9):.2f} GB/s); {stats.units_converted} units converted now, "
+            f"{stats.units_skipped} already done")
+    else:
+        log(f"{args.dst}: {stats.units_converted} units converted now, {stats.units_left} left for other --layers "
+            f"runs; not complete until every layer range is converted")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="convert.py", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv), prog="convert")

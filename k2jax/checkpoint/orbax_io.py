@@ -1,0 +1,301 @@
+"""The converted checkpoint on disk: a standard Orbax checkpoint written slot by slot, its manifest, restore.
+
+Layout of a converted directory DST (layout version 1):
+
+    DST/_METADATA                 Orbax tree metadata (plain, non-OCDBT PyTree checkpoint)
+    DST/<a.b.c>/                  one zarr (v2) array per param leaf, named by its '.'-joined tree path,
+                                  at its final (stacked) shape, e.g. moe_layers.mlp.experts.gate_proj [L, E, D, F]
+    DST/config.json               the model's HF config
+    DST/k2jax_manifest.json       written last, atomically: the completion marker (see `MANIFEST`)
+    DST/.k2jax_convert/           only while converting: the job and the units already written (resume state)
+
+Arrays are chunked one (layer, expert) slot at a time ([1, 1, D, F] for experts), with big dims split so a
+chunk stays under CHUNK_BYTES. So the converter writes each HF tensor into whole chunks of the stacked array
+(no read-modify-write, bounded memory), and a restore with target shardings reads, per device, only the
+chunks its shard touches (no full copy anywhere; the MoE weights exist once).
+
+Plain Orbax reads it without k2jax:
+
+    import orbax.checkpoint as ocp
+    params = ocp.StandardCheckpointer().restore(DST, abstract)   # abstract: ShapeDtypeStructs with .sharding
+
+where `abstract` is `k2jax.abstract_params(cfg, dtype)` with a sharding set on each leaf (a different dtype
+than stored is cast on read). Without shardings Orbax returns numpy arrays. A `float8` conversion holds
+e4m3 weights plus `<name>_scale_inv` float32 leaves beside them (see `fp8_leaves`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+LAYOUT_VERSION = 1
+MANIFEST = "k2jax_manifest.json"
+PROGRESS = ".k2jax_convert"
+ORBAX_METADATA = "_METADATA"
+CHUNK_BYTES = 64 << 20
+SCALE_SUFFIX = "_scale_inv"
+
+_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+           "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
+class IncompleteCheckpointError(ValueError):
+    """The directory is not a complete converted checkpoint (interrupted, or not a conversion at all)."""
+
+
+def dtype_name(dt) -> str:
+    return np.dtype(dt).name
+
+
+def leaf_name(path: tuple[str, ...]) -> str:
+    """('moe_layers', 'mlp', 'experts', 'gate_proj') -> 'moe_layers.mlp.experts.gate_proj' (Orbax's name)."""
+    return ".".join(path)
+
+
+def chunk_shape(shape: tuple[int, ...], stack_axes: int, itemsize: int) -> tuple[int, ...]:
+    """One slot of the leading `stack_axes` (layer, expert) per chunk; then halve the largest even dim until a
+    chunk is at most CHUNK_BYTES (so a sharded restore reads about its shard, not the whole slot)."""
+    chunk = [1] * stack_axes + list(shape[stack_axes:])
+    while math.prod(chunk) * itemsize > CHUNK_BYTES:
+        dims = [i for i in range(stack_axes, len(chunk)) if chunk[i] % 2 == 0]
+        if not dims:
+            break
+        i = max(dims, key=lambda i: chunk[i])
+        chunk[i] //= 2
+    return tuple(chunk)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Writing (used by k2jax.checkpoint.convert)
+def ts_context(workers: int):
+    import tensorstore as ts
+
+    # No chunk cache: every write covers whole chunks, so nothing is ever read back while converting.
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": False,
+                       "data_copy_concurrency": {"limit": max(1, workers)},
+                       "file_io_concurrency": {"limit": max(2, 2 * workers)}})
+
+
+def open_array(dst: pathlib.Path, name: str, spec: dict, context, create: bool):
+    """The zarr array of one leaf (`spec`: {"shape", "dtype", "chunks"} as in the manifest)."""
+    import tensorstore as ts
+
+    return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.fspath(dst / name)},
+                    "metadata": {"shape": spec["shape"], "chunks": spec["chunks"], "compressor": None,
+                                 "dtype": np.dtype(spec["dtype"]).str if spec["dtype"] == "float32"
+                                 else spec["dtype"]}},
+                   create=create, open=True, context=context).result()
+
+
+def write_orbax_metadata(dst: pathlib.Path, leaves: dict[str, dict]) -> None:
+    """Orbax's `_METADATA` for the leaves (name -> spec): what `PyTreeCheckpointHandler` writes for a
+    non-OCDBT zarr-v2 checkpoint of the same tree."""
+    tree = {}
+    for name, spec in leaves.items():
+        keys = name.split(".")
+        tree[str(tuple(keys))] = {
+            "key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2 = dict key
+            "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": spec["chunks"]},
+        }
+    meta = {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
+    atomic_write(dst / ORBAX_METADATA, json.dumps(meta, indent=1))
+
+
+def atomic_write(path: pathlib.Path, text: str) -> None:
+    """Write, fsync, rename: a reader sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Reading
+def read_manifest(ckpt_dir: str | os.PathLike) -> dict:
+    """The manifest of a complete conversion; IncompleteCheckpointError (with the reason) otherwise."""
+    d = pathlib.Path(ckpt_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such checkpoint directory")
+    m = d / MANIFEST
+    if not m.is_file():
+        if (d / PROGRESS).is_dir():
+            raise IncompleteCheckpointError(
+                f"{d}: incomplete conversion (interrupted or still running; no {MANIFEST}): rerun the same "
+                f"`k2jax convert` command to finish it")
+        raise IncompleteCheckpointError(f"{d}: not a k2jax checkpoint (no {MANIFEST}); convert a HuggingFace "
+                                        f"checkpoint with `k2jax convert SRC DST`, or use k2jax.load_hf")
+    try:
+        manifest = json.loads(m.read_text())
+    except json.JSONDecodeError as e:
+        raise IncompleteCheckpointError(f"{m}: corrupt manifest: {e}") from None
+    if manifest.get("layout_version") != LAYOUT_VERSION:
+        raise ValueError(f"{m}: layout version {manifest.get('layout_version')!r}, this k2jax reads "
+                         f"{LAYOUT_VERSION}: convert again with this version")
+    return manifest
+
+
+def fp8_leaves(manifest: dict) -> dict[str, dict]:
+    """float8 checkpoints: weight leaf name -> {"scale": scale leaf name, "in_ndim": k}. The weight is in k2jax
+    layout; its first k slot dims flattened are HF's input dim, the rest its output dim, and the scale leaf is
+    [*stack, ceil(in / block), ceil(out / block)] (HF's scale_inv transposed, like the weight)."""
+    return manifest.get("fp8", {})
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, v in flat.items():
+        node = tree
+        *head, last = name.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = v
+    return tree
+
+
+def _flatten(tree, prefix=()) -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out |= _flatten(v, prefix + (k,))
+        else:
+            out[leaf_name(prefix + (k,))] = v
+    return out
+
+
+def restore(ckpt_dir: str | os.PathLike, target: dict, shardings: dict | None = None) -> dict:
+    """Orbax restore of (a subset of) the stored leaves.
+
+    target: nested dict of jax.ShapeDtypeStruct (shapes as stored; a different float dtype is cast on read).
+    shardings: the same tree of jax.sharding.Sharding (e.g. `k2jax.sharding.param_shardings(cfg, mesh)`),
+    or None for the first local device. Each device reads only the chunks its shard overlaps.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: one, target)
+    args = jax.tree.map(lambda s, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=s.shape, dtype=s.dtype),
+                        target, shardings)
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(os.path.abspath(ckpt_dir),
+                             args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
+
+
+def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
+    """Restore a converted checkpoint -> (K2Config, params).
+
+    params is exactly `abstract_params(cfg, dtype)` (the router stays float32) as jax arrays. dtype None keeps
+    the stored float dtype (a float8 conversion loads as bfloat16); "float8" returns a float8 conversion as
+    stored: e4m3 weights plus their `*_scale_inv` leaves. FP8 weights loaded into bf16/f32 are dequantized on
+    device, one layer at a time. mesh: place each leaf by `k2jax.sharding.param_shardings(cfg, mesh)`;
+    shardings: an explicit tree of shardings instead (for the float8 tree as well); neither: one device.
+    An interrupted conversion is refused with IncompleteCheckpointError.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from k2jax.config import K2Config
+    from k2jax.nn.model import abstract_params
+
+    manifest = read_manifest(ckpt_dir)
+    cfg = K2Config.from_hf_config(ckpt_dir)
+    stored = manifest["dtype"]
+    fp8 = fp8_leaves(manifest)
+    if dtype is not None and str(dtype) in ("float8", "float8_e4m3fn"):
+        if stored != "float8":
+            raise ValueError(f"{ckpt_dir}: dtype float8 needs a `--dtype float8` conversion; this one is {stored}")
+        target = {n: jax.ShapeDtypeStruct(tuple(s["shape"]), _DTYPES[s["dtype"]])
+                  for n, s in manifest["leaves"].items()}
+        target = _unflatten(target)
+        if shardings is None and mesh is not None:
+            shardings = _float8_shardings(cfg, mesh, target, fp8)
+        return cfg, restore(ckpt_dir, target, shardings)
+    if dtype is None:
+        dtype = jnp.bfloat16 if stored == "float8" else _DTYPES[stored]
+    want = {leaf_name(tuple(k.key for k in p)): v
+            for p, v in jax.tree_util.tree_leaves_with_path(abstract_params(cfg, dtype))}
+    stored_leaves = {n: s for n, s in manifest["leaves"].items() if n not in {f["scale"] for f in fp8.values()}}
+    if want.keys() != stored_leaves.keys() or any(tuple(s["shape"]) != want[n].shape
+                                                  for n, s in stored_leaves.items()):
+        raise ValueError(f"{ckpt_dir}: stored leaves do not match abstract_params of its config.json "
+                         f"(converted by another k2jax version?)")
+    if shardings is None and mesh is not None:
+        from k2jax.sharding import param_shardings
+
+        shardings = param_shardings(cfg, mesh)
+    flat_sh = None if shardings is None else _flatten(shardings)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def sharding_of(name):
+        return one if flat_sh is None else flat_sh[name]
+
+    # Plain leaves: cast on read (bf16 -> f32 is exact). FP8 leaves: read as stored, then dequantize.
+    target, shard = {}, {}
+    for n, v in want.items():
+        target[n] = jax.ShapeDtypeStruct(v.shape, _DTYPES["float8_e4m3fn"] if n in fp8 else v.dtype)
+        shard[n] = sharding_of(n)
+        if n in fp8:
+            s = fp8[n]["scale"]
+            target[s] = jax.ShapeDtypeStruct(tuple(manifest["leaves"][s]["shape"]), np.float32)
+            shard[s] = _replicated(shard[n])
+    flat = _flatten(restore(ckpt_dir, _unflatten(target), _unflatten(shard)))
+    block = tuple(manifest["fp8_block"])
+    for n, info in fp8.items():
+        w, s = flat[n], flat.pop(info["scale"])
+        flat[n] = _dequantize_fn(w.shape, info["in_ndim"], block, jnp.dtype(want[n].dtype), shard[n])(w, s)
+        del w, s
+    return cfg, _unflatten(flat)
+
+
+def _replicated(sharding):
+    import jax
+
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
+
+
+def _float8_shardings(cfg, mesh, target, fp8):
+    """The float8 tree's shardings: each weight as its param, each scale replicated."""
+    import jax
+
+    from k2jax.sharding import param_shardings
+
+    flat = _flatten(param_shardings(cfg, mesh))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _unflatten({n: flat.get(n, rep) for n in _flatten(target)})
+
+
+def _dequantize_fn(shape, in_ndim, block, dtype, sharding):
+    """jit: (e4m3 [L, *stack, *slot], f32 scale [L, *stack, ceil(in/b0), ceil(out/b1)]) -> dtype [L, ...],
+    mapped over the layer axis so float32 temporaries exist for one layer at a time."""
+    import jax
+
+    from k2jax.checkpoint.fp8 import dequantize
+
+    def one_layer(ws):
+        w, s = ws
+        lead = s.ndim - 2
+        slot = w.shape[lead:]
+        w2 = w.reshape(*w.shape[:lead], math.prod(slot[:in_ndim]), math.prod(slot[in_ndim:]))
+        # the weight is HF's [out, in] transposed: its block is (block_in, block_out)
+        return dequantize(w2, s, block[::-1], np.float32).astype(dtype).reshape(w.shape)
+
+    return jax.jit(lambda w, s: jax.lax.map(one_layer, (w, s)), out_shardings=sharding)
