@@ -13,23 +13,30 @@ from k2jax.nn.norm import RMSNorm
 
 
 class DecoderBlock(nn.Module):
-    """(x [B, T, D], positions [B, T], mask [B, T, S]) -> (x [B, T, D], None); the pair form suits nn.scan."""
+    """(x [B, T, D], positions [B, T], mask) -> (x [B, T, D], kv); the pair form suits nn.scan.
+
+    `mode`, `mask`, `cache`, `index` and kv as in MLA: kv is None in "full" mode, the new latents in
+    "prefill", the updated layer cache in "decode".
+    """
 
     cfg: K2Config
     moe: bool
     param_dtype: jnp.dtype = jnp.float32
     moe_impl: str = "auto"
+    mode: str = "full"
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS):
+    def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None):
         cfg, dt = self.cfg, self.param_dtype
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
-        x_BTD = x_BTD + MLA(cfg, dt, name="self_attn")(h_BTD, positions_BT, mask_BTS)
+        attn = MLA(cfg, dt, self.mode, name="self_attn")(h_BTD, positions_BT, mask, cache, index)
+        attn_BTD, kv = (attn, None) if self.mode == "full" else attn
+        x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)
         if self.moe:
             ffn = MoE(cfg, dt, self.moe_impl, name="mlp")
         else:
             ffn = MLP(cfg.intermediate_size, dt, name="mlp")
         x_BTD = x_BTD + ffn(h_BTD)
-        return nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed")), None
+        return nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed")), kv

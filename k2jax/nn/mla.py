@@ -11,21 +11,33 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.config import K2Config
+from k2jax.inference.attention import attend_absorbed, attend_blocked
 from k2jax.nn.common import einsum, param
 from k2jax.nn.norm import RMSNorm
 from k2jax.nn.rope import apply_rope
+
+MODES = ("full", "prefill", "decode", "decode_expanded")
 
 _NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
 
 
 class MLA(nn.Module):
-    """x [B, T, D], positions [B, T], mask [B, T, S] (True = may attend) -> [B, T, D]."""
+    """x [B, T, D], positions [B, T] -> [B, T, D]; what else goes in and out depends on `mode`:
+
+    - "full": mask [B, T, T] (True = may attend); expanded attention (the plain reference) -> out.
+    - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.inference.attention)
+      -> (out, {"ckv": [B, T, R], "k_pe": [B, T, P]}), the latents to cache.
+    - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]}, the T tokens' latents are written at cache slots
+      index..index+T-1, then absorbed attention over the cache under mask [B, T, S] -> (out, updated cache).
+      "decode_expanded": the same with expanded attention (the reference; bench/decode.py times both).
+    """
 
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
+    mode: str = "full"  # one of MODES
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS):
+    def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None):
         cfg, dt = self.cfg, self.param_dtype
         D, N = cfg.hidden_size, cfg.num_attention_heads
         K, P, V, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -53,9 +65,19 @@ class MLA(nn.Module):
 
         w_kv_b_RNX = param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt)
         w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
-        out_BTNV = attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS,
-                                   cfg.softmax_scale)
-        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD)
+        attn = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask, cfg.softmax_scale)
+        if self.mode == "full":
+            return einsum("BTNV,NVD->BTD", attend_expanded(*attn), w_o_NVD)
+        if self.mode == "prefill":
+            out_BTNV, kv = attend_blocked(*attn), {"ckv": ckv_BSR, "k_pe": k_pe_BSP}
+        elif self.mode in ("decode", "decode_expanded"):
+            kv = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], new.astype(cache[k].dtype), index, axis=1)
+                  for k, new in (("ckv", ckv_BSR), ("k_pe", k_pe_BSP))}
+            attend = attend_absorbed if self.mode == "decode" else attend_expanded
+            out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, kv["ckv"], kv["k_pe"], w_kv_b_RNX, mask, cfg.softmax_scale)
+        else:
+            raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
+        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD), kv
 
 
 def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):

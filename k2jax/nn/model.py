@@ -17,42 +17,84 @@ class K2Model(nn.Module):
 
     positions [B, T] default to 0..T-1; attention_mask [B, S] (1 = real token) is combined with the causal
     mask. Computation runs in `param_dtype`; norms, softmax and the router in float32.
+
+    `prefill` and `decode` run the same params with a latent KV cache (k2jax.inference generates with them).
     """
 
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
     moe_impl: str = "auto"
+    remat: str = "none"  # per block, one of REMAT_POLICIES: trades the backward pass's memory for compute
 
-    @nn.compact
     def __call__(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
-        cfg, dt = self.cfg, self.param_dtype
         B, T = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
         if attention_mask_BS is not None:
             mask_BTS = mask_BTS & attention_mask_BS.astype(bool)[:, None, :]
+        return self.forward(tokens_BT, positions_BT, mask_BTS)[0]
 
+    def prefill(self, tokens_BT, positions_BT, kv_valid_BT):
+        """Run a (left-padded) prompt: tokens, positions [B, T], kv_valid [B, T] (True = a real token; causal
+        implied) -> (logits at the last position [B, V], cache entries {group: {"ckv": [L, B, T, R],
+        "k_pe": [L, B, T, P]}}). Attention is key-blocked: memory linear in T."""
+        logits_B1V, kv = self.forward(tokens_BT, positions_BT, kv_valid_BT.astype(bool), mode="prefill")
+        return logits_B1V[:, 0], kv
+
+    def decode(self, tokens_BT, positions_BT, kv_valid_BS, cache, index, absorbed=True):
+        """Run T new tokens per row against a cache ({group: {"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}},
+        see k2jax.inference.cache): their latents are written at slots index..index+T-1; slot s is visible
+        to new token t iff kv_valid[b, s] and s <= index + t. -> (logits [B, T, V], updated cache).
+        absorbed=False expands the cache per head instead (the reference form; same numbers, slower)."""
+        T, S = tokens_BT.shape[1], kv_valid_BS.shape[1]
+        causal_TS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
+        mask_BTS = kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
+        return self.forward(tokens_BT, positions_BT, mask_BTS, cache, index,
+                            mode="decode" if absorbed else "decode_expanded")
+
+    @nn.compact
+    def forward(self, tokens_BT, positions_BT, mask, cache=None, index=None, mode="full"):
+        """The model in one of MLA's modes (see MLA and the three methods above) -> (logits, kv per group)."""
+        cfg, dt = self.cfg, self.param_dtype
         embed_VD = param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
                          nn.initializers.normal(1.0))
         x_BTD = embed_VD[tokens_BT]
+        kv = {}
         for name, n, moe in (("dense_layers", cfg.num_dense_layers, False),
                              ("moe_layers", cfg.num_moe_layers, True)):
             if n:
-                x_BTD, _ = scanned_blocks(n)(cfg, moe, dt, self.moe_impl, name=name)(x_BTD, positions_BT, mask_BTS)
+                blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, mode, name=name)
+                x_BTD, kv[name] = blocks(x_BTD, positions_BT, mask, None if cache is None else cache[name], index)
+        if mode == "prefill":
+            x_BTD = x_BTD[:, -1:]  # only the next token's logits are wanted (T x V would not fit for long prompts)
         x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)
         if cfg.tie_word_embeddings:
             head_DV = embed_VD.T
         else:
             head_DV = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
-        return jnp.einsum("BTD,DV->BTV", x_BTD, head_DV, preferred_element_type=jnp.float32)
+        return jnp.einsum("BTD,DV->BTV", x_BTD, head_DV, preferred_element_type=jnp.float32), kv
 
 
-def scanned_blocks(length: int):
+# What a block keeps from its forward pass for the backward pass: everything ("none": no remat), only its
+# inputs ("full": the block is recomputed), or also the weight matmuls' outputs ("save_matmuls": attention
+# scores and elementwise work are recomputed).
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def scanned_blocks(length: int, remat: str = "none"):
     """DecoderBlock repeated `length` times under nn.scan: params stacked on a leading, unsharded 'layers'
-    axis, so compile time does not grow with depth."""
-    return nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast), length=length,
+    axis, so compile time does not grow with depth. A decode cache is scanned over with the params (its
+    leaves stacked on the same leading axis); positions, mask and cache index are shared by all layers.
+    Sown intermediates (router statistics) are stacked on the layer axis too. remat: see REMAT_POLICIES."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat policy must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+    block = DecoderBlock
+    if remat != "none":
+        block = nn.remat(DecoderBlock, policy=REMAT_POLICIES[remat], prevent_cse=False)  # scan stops CSE
+    return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 

@@ -1,0 +1,100 @@
+"""MLA attention kernels for inference, beside `k2jax.nn.mla.attend_expanded` (the plain reference).
+
+- `attend_blocked` (prefill): the expanded form, but queries and keys visited in blocks with an online
+  softmax, so memory grows linearly with the prompt instead of holding the [T, T] score matrix; key blocks
+  above the causal diagonal are skipped.
+- `attend_absorbed` (decode): W_UK folded into the query and W_UV into the output (K2_REFERENCE.md §3), so a
+  step reads the latent cache once and never expands it per head.
+
+Letters as in k2jax.nn.mla: B batch, T queries, S keys, N heads, K nope head dim, P rope head dim,
+R kv_lora_rank, V value head dim, X = K + V. All three return the per-head outputs [B, T, N, V] in the
+cache's dtype; scores and softmax are float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30  # finite (as in nn.mla): a row with nothing to attend to averages instead of giving NaN
+DEFAULT_BLOCK = 512
+
+
+def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
+    """Attention straight on the latent cache: q_lat = q_nope·W_UK, scores = q_lat·ckv + q_pe·k_pe,
+    o_lat = P·ckv, out = o_lat·W_UVᵀ. Same result as attend_expanded on the same inputs.
+
+    q_nope [B, T, N, K], q_pe [B, T, N, P] (rotated), ckv [B, S, R] (normalised), k_pe [B, S, P] (rotated),
+    w_kv_b [R, N, K + V], mask [B, T, S] (True = may attend) -> [B, T, N, V].
+    """
+    K = q_nope_BTNK.shape[-1]
+    f32, dt = jnp.float32, ckv_BSR.dtype
+    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+    q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32).astype(dt)
+    scores_BNTS = (
+        jnp.einsum("BTNR,BSR->BNTS", q_lat_BTNR, ckv_BSR, preferred_element_type=f32)
+        + jnp.einsum("BTNP,BSP->BNTS", q_pe_BTNP, k_pe_BSP, preferred_element_type=f32)
+    ) * scale
+    scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
+    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1).astype(dt)
+    # [B, N, T, R], not [B, T, N, R]: XLA:CPU has no bf16 kernel for the transposed-output form.
+    o_lat_BNTR = jnp.einsum("BNTS,BSR->BNTR", probs_BNTS, ckv_BSR, preferred_element_type=f32).astype(dt)
+    return jnp.einsum("BNTR,RNV->BTNV", o_lat_BNTR, w_uv_RNV, preferred_element_type=f32).astype(dt)
+
+
+def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
+                   block: int = DEFAULT_BLOCK):
+    """Causal self-attention of T tokens over themselves, in [block × block] tiles with an online softmax.
+
+    Keys and values are expanded per head once ([B, T, N, X], linear in T); the score tiles are the only
+    quadratic work and are never held together. Query t sees key s iff s <= t and kv_valid[b, s]. Equals
+    attend_expanded with mask tril & kv_valid on every query row that sees at least one key.
+
+    q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, T, R], k_pe [B, T, P], w_kv_b [R, N, K + V],
+    kv_valid [B, T] bool -> [B, T, N, V].
+    """
+    B, T, N, K = q_nope_BTNK.shape
+    V = w_kv_b_RNX.shape[-1] - K
+    f32, dt = jnp.float32, ckv_BTR.dtype
+    block = min(block, T)
+    nb = -(-T // block)
+    pad = nb * block - T
+
+    kv_BTNX = jnp.einsum("BTR,RNX->BTNX", ckv_BTR, w_kv_b_RNX, preferred_element_type=f32).astype(dt)
+    # Queries and keys together on the last axis ([nope; rope]), so one matmul gives the score tile.
+    q_BTNH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1)
+    k_BTNH = jnp.concatenate([kv_BTNX[..., :K], jnp.broadcast_to(k_pe_BTP[:, :, None, :].astype(dt),
+                                                                  (B, T, N, k_pe_BTP.shape[-1]))], -1)
+    v_BTNV = kv_BTNX[..., K:]
+
+    def blocks(x):  # [B, T, ...] -> [nb, B, block, ...], padded at the end
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(B, nb, block, *x.shape[2:]), 1, 0)
+
+    q_nBcNH, k_nBcNH, v_nBcNV = blocks(q_BTNH), blocks(k_BTNH), blocks(v_BTNV)
+    valid_nBc = blocks(kv_valid_BT.astype(bool))  # padded keys are invalid
+    offs = jnp.arange(block)
+
+    def query_block(i):
+        q_BcNH = q_nBcNH[i]
+
+        def key_block(j, carry):
+            m_BNc, l_BNc, acc_BNcV = carry
+            s_BNcc = jnp.einsum("BTNH,BSNH->BNTS", q_BcNH, k_nBcNH[j], preferred_element_type=f32) * scale
+            see_Bcc = (valid_nBc[j][:, None, :]
+                       & ((i * block + offs)[:, None] >= (j * block + offs)[None, :])[None])
+            s_BNcc = jnp.where(see_Bcc[:, None], s_BNcc, _NEG_INF)
+            m_new = jnp.maximum(m_BNc, s_BNcc.max(-1))
+            corr = jnp.exp(m_BNc - m_new)
+            p_BNcc = jnp.exp(s_BNcc - m_new[..., None])
+            pv_BNcV = jnp.einsum("BNTS,BSNV->BNTV", p_BNcc.astype(dt), v_nBcNV[j], preferred_element_type=f32)
+            return m_new, l_BNc * corr + p_BNcc.sum(-1), acc_BNcV * corr[..., None] + pv_BNcV
+
+        init = (jnp.full((B, N, block), _NEG_INF, f32), jnp.zeros((B, N, block), f32),
+                jnp.zeros((B, N, block, V), f32))
+        # Key blocks 0..i only: those above the diagonal are fully masked and never computed.
+        _, l_BNc, acc_BNcV = jax.lax.fori_loop(0, i + 1, key_block, init)
+        return jnp.moveaxis(acc_BNcV / l_BNc[..., None], 1, 2).astype(dt)  # [B, block, N, V]
+
+    out_nBcNV = jax.lax.map(query_block, jnp.arange(nb))
+    return jnp.moveaxis(out_nBcNV, 0, 1).reshape(B, nb * block, N, V)[:, :T]
