@@ -24,7 +24,7 @@ def _fp8_bytes(tree, block: int = 128) -> int:
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         keys = [getattr(k, "key", str(k)) for k in path]
-        if keys[-1] == "weight" or keys[-2:] == ["gate", "kernel"]:
+        if keys[-1] == "weight" or keys[0] in ("embed_tokens", "lm_head") or keys[-2:] == ["gate", "kernel"]:
             total += math.prod(x.shape) * 2
         elif keys[-1] == "e_score_correction_bias":
             total += math.prod(x.shape) * 4
