@@ -12,34 +12,6 @@ import math
 import os
 from typing import Any, Mapping
 
-# transformers' DeepseekV3Config defaults, used for absent keys.
-_HF_DEFAULTS: dict[str, Any] = dict(
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_key_value_heads=None,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=1536,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    qk_nope_head_dim=128,
-    n_group=8,
-    topk_group=4,
-    num_experts_per_tok=8,
-    first_k_dense_replace=3,
-    norm_topk_prob=True,
-    hidden_act="silu",
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_interleave=True,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    bos_token_id=0,
-    eos_token_id=1,
-)
 # Without these the model has no shape: never defaulted.
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 # An explicit null means something for these (q_lora_rank: null = a plain q_proj; no experts = dense model).
@@ -50,7 +22,8 @@ _NULLABLE = ("q_lora_rank", "n_routed_experts", "bos_token_id", "eos_token_id")
 class K2Config:
     """Hyper-parameters of a DeepSeek-V3-architecture model (Kimi K2, DeepSeek-V3, or a small test model).
 
-    Field names follow HuggingFace's config.json. RoPE scaling is flattened into `rope_*` fields so the
+    Field names follow HuggingFace's config.json; the defaults are transformers' DeepseekV3Config defaults,
+    used by from_hf_config for absent keys. RoPE scaling is flattened into `rope_*` fields so the
     config stays hashable (it is a static argument of jitted functions).
     """
 
@@ -193,10 +166,11 @@ class K2Config:
         if missing:
             raise ValueError(f"{where}: missing required key {missing[0]!r}")
         kw = {k: raw[k] for k in _REQUIRED}
-        for k, default in _HF_DEFAULTS.items():
-            if k in cls.__dataclass_fields__:
-                explicit_null = k in _NULLABLE and k in raw
-                kw[k] = raw[k] if raw.get(k) is not None or explicit_null else default
+        for f in dataclasses.fields(cls):
+            if f.name in _REQUIRED or f.name.startswith("rope_") or f.name == "quantization_config":
+                continue  # required, or read below
+            explicit_null = f.name in _NULLABLE and f.name in raw
+            kw[f.name] = raw[f.name] if raw.get(f.name) is not None or explicit_null else f.default
         n_kv = raw.get("num_key_value_heads")
         if n_kv is not None and n_kv != raw["num_attention_heads"]:
             raise ValueError(f"{where}: invalid 'num_key_value_heads': MLA needs it equal to "
@@ -214,6 +188,7 @@ class K2Config:
                 raise ValueError(f"{where}: invalid {key!r}: only {only!r} is supported, got {raw[key]!r}")
         if isinstance(kw["eos_token_id"], list):
             kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        kw["rope_interleave"] = raw.get("rope_interleave", True) is not False
         kw.update(_rope_fields(raw, where))
         if raw.get("quantization_config") is not None:
             kw["quantization_config"] = raw["quantization_config"]
@@ -267,7 +242,7 @@ def _rope_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     rs = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(rs, Mapping):
         raise ValueError(f"{where}: invalid 'rope_scaling': expected an object, got {rs!r}")
-    theta = raw.get("rope_theta", rs.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    theta = raw.get("rope_theta", rs.get("rope_theta", K2Config.rope_theta))
     rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
     if rope_type == "default":
@@ -280,7 +255,7 @@ def _rope_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     if factor is None:
         if not orig:
             raise ValueError(f"{where}: missing required key 'rope_scaling.original_max_position_embeddings'")
-        factor = raw.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]) / orig
+        factor = raw.get("max_position_embeddings", K2Config.max_position_embeddings) / orig
     out.update(
         rope_factor=float(factor),
         rope_original_max_position_embeddings=orig,
