@@ -9,25 +9,13 @@ cd "$(dirname "$0")/.."
 cache="${K2JAX_CACHE:-$HOME/.cache/k2jax}"
 mkdir -p "$cache"
 
-find_python() {  # find_python 3.12 -> an interpreter of that minor version
-  local want=$1 cand
-  for cand in "python$want" python3; do
-    if command -v "$cand" >/dev/null && "$cand" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$want'.split('.')))" 2>/dev/null; then
-      echo "$cand"; return 0
-    fi
-  done
-  if command -v pyenv >/dev/null; then  # pyenv shims refuse a version that is not selected
-    local v; v=$(pyenv versions --bare 2>/dev/null | grep -E "^$want(\.[0-9]+)?$" | tail -n 1 || true)
-    if [[ -n $v ]]; then echo "$(pyenv root)/versions/$v/bin/python$want"; return 0; fi
-  fi
-  echo "no Python $want found (set PYTHON$want to one)" >&2; return 1
-}
+source tools/find_python.sh
 
 py312=${PYTHON312:-$(find_python 3.12)}
 py311=${PYTHON311:-$(find_python 3.11)}
 
 # Main environment: dependencies cached by the hash of setup.cfg; the project itself installed editable.
-key=$(cat setup.cfg | sha1sum | cut -c1-12)
+key=$(sha1sum setup.cfg | cut -c1-12)
 main_env="$cache/venv-$key"
 # A venv cannot be moved (absolute paths inside), so a stamp file marks a finished build.
 if [[ ! -f $main_env/.complete ]]; then
