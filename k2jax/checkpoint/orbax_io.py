@@ -40,6 +40,8 @@ MANIFEST = "k2jax_manifest.json"
 PROGRESS = ".k2jax_convert"
 ORBAX_METADATA = "_METADATA"
 CHUNK_BYTES = 64 << 20
+# Default bound on the shard reads a restore has in flight (host memory), see `restore`.
+MAX_INFLIGHT_BYTES = 8 << 30
 SCALE_SUFFIX = "_scale_inv"
 
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
@@ -177,12 +179,41 @@ def _flatten(tree, prefix=()) -> dict[str, Any]:
     return out
 
 
-def restore(ckpt_dir: str | os.PathLike, target: dict, shardings: dict | None = None) -> dict:
+def stored_array(ckpt_dir: str | os.PathLike, name: str) -> dict:
+    """{"shape", "dtype", "chunks"} of one stored leaf, from the array's own zarr metadata."""
+    path = pathlib.Path(ckpt_dir) / name / ".zarray"
+    try:
+        z = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise IncompleteCheckpointError(f"{ckpt_dir}: tensor {name}: cannot read its array metadata: {e}") from None
+    return {"shape": list(z["shape"]), "dtype": np.dtype(z["dtype"]).name, "chunks": list(z["chunks"])}
+
+
+def read_bytes(spec: dict, index: tuple[slice, ...]) -> int:
+    """Bytes read from disk for the region `index` of a stored leaf: every chunk it touches, whole (the same
+    estimate Orbax reserves against its in-flight limit)."""
+    n = np.dtype(spec["dtype"]).itemsize
+    for sl, dim, chunk in zip(index, spec["shape"], spec["chunks"]):
+        start, stop, _ = sl.indices(dim)
+        n *= -(-stop // chunk) * chunk - start // chunk * chunk
+    return n
+
+
+def restore(ckpt_dir: str | os.PathLike, target: dict, shardings: dict | None = None,
+            max_inflight_bytes: int | None = None) -> dict:
     """Orbax restore of (a subset of) the stored leaves.
 
     target: nested dict of jax.ShapeDtypeStruct (shapes as stored; a different float dtype is cast on read).
     shardings: the same tree of jax.sharding.Sharding (e.g. `k2jax.sharding.param_shardings(cfg, mesh)`),
-    or None for the first local device. Each device reads only the chunks its shard overlaps.
+    or None for the first local device.
+
+    What is read, and where it lives: each process reads, for each leaf, once per distinct shard among its own
+    (addressable) devices, only the chunks that shard overlaps, into a host buffer of that one shard, and puts it
+    on the devices that hold it. So of an expert stack a process reads only the (layer, expert) slots its
+    devices hold (each slot whole when `tensor` splits it: one chunk), and no device receives more than its
+    shard. Shard reads run concurrently, at most `max_inflight_bytes` of them at once (default
+    MAX_INFLIGHT_BYTES, raised to fit the largest single read): the host memory a restore needs is that, not
+    the model or an expert stack, even where one process's devices hold every expert.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -190,15 +221,47 @@ def restore(ckpt_dir: str | os.PathLike, target: dict, shardings: dict | None = 
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: one, target)
+    flat_t, flat_s = _flatten(target), _flatten(shardings)
+    largest = 0
+    for name, t in flat_t.items():
+        spec = stored_array(ckpt_dir, name)
+        if tuple(spec["shape"]) != tuple(t.shape):
+            raise ValueError(f"{ckpt_dir}: tensor {name}: requested shape {tuple(t.shape)}, stored "
+                             f"{tuple(spec['shape'])}")
+        for index in flat_s[name].addressable_devices_indices_map(t.shape).values():
+            largest = max(largest, read_bytes(spec, index))
+    # Orbax refuses a read of at least its limit, and starts one only while more than it is free.
+    limit = max(MAX_INFLIGHT_BYTES if max_inflight_bytes is None else max_inflight_bytes, largest + 1)
     args = jax.tree.map(lambda s, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=s.shape, dtype=s.dtype),
                         target, shardings)
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
-    with ocp.PyTreeCheckpointer() as ckptr:
+    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit / 1e9)  # Orbax counts in units of 1e9 B
+    with ocp.Checkpointer(handler) as ckptr:
         return ckptr.restore(os.path.abspath(ckpt_dir),
                              args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
 
 
-def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
+def check_matches(ckpt_dir, manifest: dict, want: dict[str, Any], what: str) -> None:
+    """Raise ValueError naming the first tensor (in tree order) where the checkpoint and `want` (leaf name ->
+    ShapeDtypeStruct of the params of a config) differ: missing, unexpected, or another shape; `what` names
+    the config in the message."""
+    scales = {f["scale"] for f in fp8_leaves(manifest).values()}
+    stored = {n: s for n, s in manifest["leaves"].items() if n not in scales}
+    for name in sorted(stored.keys() | want.keys(), key=lambda n: n.split(".")):
+        if name not in stored:
+            problem = f"in {what} {tuple(want[name].shape)} but not in the checkpoint"
+        elif name not in want:
+            problem = f"in the checkpoint {tuple(stored[name]['shape'])} but not in {what}"
+        elif tuple(stored[name]["shape"]) != tuple(want[name].shape):
+            problem = (f"{what} needs shape {tuple(want[name].shape)}, "
+                       f"the checkpoint holds {tuple(stored[name]['shape'])}")
+        else:
+            continue
+        raise ValueError(f"{ckpt_dir}: the checkpoint does not match {what}: first mismatched tensor {name}: {problem}")
+
+
+def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg=None,
+         max_inflight_bytes: int | None = None):
     """Restore a converted checkpoint -> (K2Config, params).
 
     params is exactly `abstract_params(cfg, dtype)` (the router stays float32) as jax arrays. dtype None keeps
@@ -206,7 +269,11 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
     stored: e4m3 weights plus their `*_scale_inv` leaves. FP8 weights loaded into bf16/f32 are dequantized on
     device, one layer at a time. mesh: place each leaf by `k2jax.sharding.param_shardings(cfg, mesh)`;
     shardings: an explicit tree of shardings instead (for the float8 tree as well); neither: one device.
-    An interrupted conversion is refused with IncompleteCheckpointError.
+    Either way each process reads only the chunks of its own devices' shards (see `restore`, which also
+    explains max_inflight_bytes).
+    cfg: the K2Config to load the weights into, instead of the checkpoint's config.json (e.g. with other
+    runtime settings); a cfg whose params differ from the stored tensors is refused with a ValueError naming
+    the first mismatched tensor. An interrupted conversion is refused with IncompleteCheckpointError.
     """
     import jax
     import jax.numpy as jnp
@@ -215,10 +282,17 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
     from k2jax.nn.model import abstract_params
 
     manifest = read_manifest(ckpt_dir)
-    cfg = K2Config.from_hf_config(ckpt_dir)
+    what = "the given cfg" if cfg is not None else "its config.json"
+    cfg = K2Config.from_hf_config(ckpt_dir) if cfg is None else cfg
     stored = manifest["dtype"]
     fp8 = fp8_leaves(manifest)
-    if dtype is not None and str(dtype) in ("float8", "float8_e4m3fn"):
+    float8 = dtype is not None and str(dtype) in ("float8", "float8_e4m3fn")
+    if dtype is None or float8:
+        dtype = jnp.bfloat16 if stored == "float8" else _DTYPES[stored]
+    want = {leaf_name(tuple(k.key for k in p)): v
+            for p, v in jax.tree_util.tree_leaves_with_path(abstract_params(cfg, dtype))}
+    check_matches(ckpt_dir, manifest, want, what)
+    if float8:
         if stored != "float8":
             raise ValueError(f"{ckpt_dir}: dtype float8 needs a `--dtype float8` conversion; this one is {stored}")
         target = {n: jax.ShapeDtypeStruct(tuple(s["shape"]), _DTYPES[s["dtype"]])
@@ -226,16 +300,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
         target = _unflatten(target)
         if shardings is None and mesh is not None:
             shardings = _float8_shardings(cfg, mesh, target, fp8)
-        return cfg, restore(ckpt_dir, target, shardings)
-    if dtype is None:
-        dtype = jnp.bfloat16 if stored == "float8" else _DTYPES[stored]
-    want = {leaf_name(tuple(k.key for k in p)): v
-            for p, v in jax.tree_util.tree_leaves_with_path(abstract_params(cfg, dtype))}
-    stored_leaves = {n: s for n, s in manifest["leaves"].items() if n not in {f["scale"] for f in fp8.values()}}
-    if want.keys() != stored_leaves.keys() or any(tuple(s["shape"]) != want[n].shape
-                                                  for n, s in stored_leaves.items()):
-        raise ValueError(f"{ckpt_dir}: stored leaves do not match abstract_params of its config.json "
-                         f"(converted by another k2jax version?)")
+        return cfg, restore(ckpt_dir, target, shardings, max_inflight_bytes)
     if shardings is None and mesh is not None:
         from k2jax.sharding import param_shardings
 
@@ -254,8 +319,8 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
         if n in fp8:
             s = fp8[n]["scale"]
             target[s] = jax.ShapeDtypeStruct(tuple(manifest["leaves"][s]["shape"]), np.float32)
-            shard[s] = _replicated(shard[n])
-    flat = _flatten(restore(ckpt_dir, _unflatten(target), _unflatten(shard)))
+            shard[s] = _scale_sharding(shard[n], len(target[s].shape) - 2)
+    flat = _flatten(restore(ckpt_dir, _unflatten(target), _unflatten(shard), max_inflight_bytes))
     block = tuple(manifest["fp8_block"])
     for n, info in fp8.items():
         w, s = flat[n], flat.pop(info["scale"])
@@ -264,23 +329,25 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None):
     return cfg, _unflatten(flat)
 
 
-def _replicated(sharding):
+def _scale_sharding(sharding, stack: int):
+    """A float8 weight's scale [*stack, in blocks, out blocks]: split over the stack (layer, expert) axes like
+    its weight, whole over the block axes (which the weight's mesh axes need not divide)."""
     import jax
 
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        spec = tuple(sharding.spec)[:stack]
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
     return sharding
 
 
 def _float8_shardings(cfg, mesh, target, fp8):
-    """The float8 tree's shardings: each weight as its param, each scale replicated."""
-    import jax
-
+    """The float8 tree's shardings: each weight as its param, each scale as `_scale_sharding`."""
     from k2jax.sharding import param_shardings
 
     flat = _flatten(param_shardings(cfg, mesh))
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return _unflatten({n: flat.get(n, rep) for n in _flatten(target)})
+    scales = {f["scale"]: (w, len(_flatten(target)[f["scale"]].shape) - 2) for w, f in fp8.items()}
+    return _unflatten({n: _scale_sharding(flat[scales[n][0]], scales[n][1]) if n in scales else flat[n]
+                       for n in _flatten(target)})
 
 
 def _dequantize_fn(shape, in_ndim, block, dtype, sharding):

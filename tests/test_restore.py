@@ -1,0 +1,252 @@
+"""Sharded restore of a converted checkpoint (k2jax.load with a mesh), on 8 simulated CPU devices: the same
+bits on every mesh, each device holding and each process reading only its own shards, bounded host memory,
+and a config that does not match the checkpoint refused by name."""
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k2jax
+from k2jax import K2Model
+from k2jax.checkpoint.convert import main as convert_main
+from k2jax.checkpoint.orbax_io import stored_array
+from k2jax.sharding import make_mesh, param_shardings, use_mesh
+from k2jax.testing import write_release_checkpoint
+from tests.conftest import CONFIGS
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 8 experts, top-2, 3 layers (2 MoE)
+# Experts dominate (75 MB of 82 MB bf16, 25 MB per stacked leaf): what each process reads shows in the bytes.
+WIDE = TINY | dict(hidden_size=512, moe_intermediate_size=512, intermediate_size=256, n_routed_experts=16,
+                   num_hidden_layers=4, q_lora_rank=64, kv_lora_rank=64, vocab_size=96)
+MESHES = ["expert=8", "data=2,expert=2,tensor=2"]
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
+def convert(cfg: dict, tmp: pathlib.Path, *extra: str, fast: bool = False) -> pathlib.Path:
+    src = write_release_checkpoint(cfg, tmp / "src", seed=3, fast=fast)
+    dst = tmp / "dst"
+    assert convert_main([str(src), str(dst), "--quiet", *extra]) == 0
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return convert(TINY, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return convert(WIDE, tmp_path_factory.mktemp("wide"), fast=True)
+
+
+@pytest.fixture(scope="module")
+def one_device(ckpt):
+    return k2jax.load(ckpt)
+
+
+def leaves(tree) -> dict[str, jax.Array]:
+    return {".".join(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint8)
+
+
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", MESHES)
+def test_every_device_holds_its_shard_of_the_same_bits(ckpt, one_device, spec):
+    """Restored on a mesh: the rules table's shardings, E / n_expert experts per device, and every device's
+    shard bit-equal to the same region of the one-device restore (so mesh A == mesh B == one device)."""
+    cfg, reference = one_device
+    mesh = make_mesh(spec)
+    got_cfg, params = k2jax.load(ckpt, mesh=mesh)
+    assert got_cfg == cfg
+    want_sharding = leaves(param_shardings(cfg, mesh))
+    ref = {n: np.asarray(v) for n, v in leaves(reference).items()}
+    got = leaves(params)
+    assert got.keys() == ref.keys()
+    n_expert, E = mesh.shape["expert"], cfg.n_routed_experts
+    for name, a in got.items():
+        assert (a.shape, a.dtype) == (ref[name].shape, ref[name].dtype), name
+        assert a.sharding == want_sharding[name], (name, a.sharding, want_sharding[name])
+        assert len(a.addressable_shards) == 8
+        for shard in a.addressable_shards:
+            np.testing.assert_array_equal(bits(shard.data), bits(ref[name][shard.index]), err_msg=name)
+    for leaf in EXPERT_LEAVES:
+        stack = params["moe_layers"]["mlp"]["experts"][leaf]
+        held = {(s.index[1].start, s.index[1].stop) for s in stack.addressable_shards}
+        assert {s.data.shape[1] for s in stack.addressable_shards} == {E // n_expert}, leaf
+        assert len(held) == n_expert  # the experts are partitioned, none replicated across the expert axis
+    # A restore on mesh A equals one on mesh B as whole arrays too.
+    for name, a in got.items():
+        np.testing.assert_array_equal(bits(a), bits(ref[name]), err_msg=name)
+
+
+def test_sharded_logits_from_restored_params_equal_one_device(ckpt):
+    cfg, one = k2jax.load(ckpt, dtype=jnp.float32)
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 8), 0, cfg.vocab_size)
+    step = jax.jit(lambda p, t: K2Model(cfg).apply({"params": p}, t))
+    reference = step(one, tokens)
+    mesh = make_mesh("data=2,expert=2,tensor=2")  # every mesh's logits: tests/test_sharding.py
+    _, params = k2jax.load(ckpt, dtype=jnp.float32, mesh=mesh)
+    with use_mesh(mesh):
+        logits = step(params, tokens)
+    np.testing.assert_allclose(logits, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_float8_conversion_restores_sharded(tmp_path, one_device):
+    """A float8 conversion on a mesh: weights and their scales split over the expert axis (nothing
+    expert-sized replicated), dequantized on device to the bf16 conversion's bits."""
+    d = convert(TINY, tmp_path, "--dtype", "float8")
+    mesh = make_mesh("expert=8")
+    _, stored = k2jax.load(d, dtype="float8", mesh=mesh)
+    experts = stored["moe_layers"]["mlp"]["experts"]
+    for leaf in EXPERT_LEAVES:
+        for name in (leaf, leaf + "_scale_inv"):
+            assert {s.data.shape[1] for s in experts[name].addressable_shards} == {1}, name
+    ref = leaves(one_device[1])
+    for spec in MESHES:
+        _, bf16 = k2jax.load(d, mesh=make_mesh(spec))
+        for name, a in leaves(bf16).items():
+            np.testing.assert_array_equal(bits(a), bits(ref[name]), err_msg=f"{spec}: {name}")
+
+
+# ------------------------------------------------------------------------------------------------------
+def _config(changes: dict) -> k2jax.K2Config:
+    return k2jax.K2Config.from_hf_config(TINY | changes)
+
+
+@pytest.mark.parametrize("changes, tensor, problem", [
+    (dict(n_routed_experts=16), "moe_layers.mlp.experts.down_proj",
+     "needs shape (2, 16, 32, 64), the checkpoint holds (2, 8, 32, 64)"),
+    (dict(hidden_size=128), "dense_layers.input_layernorm.weight",
+     "needs shape (1, 128), the checkpoint holds (1, 64)"),
+    (dict(num_hidden_layers=4), "moe_layers.input_layernorm.weight", "needs shape (3, 64)"),
+    (dict(moe_intermediate_size=64), "moe_layers.mlp.experts.down_proj", "(2, 8, 64, 64)"),
+    (dict(q_lora_rank=None), "dense_layers.self_attn.q_a_layernorm.weight",
+     "in the checkpoint (1, 32) but not in the given cfg"),
+], ids=["experts", "hidden", "layers", "expert_hidden", "no_q_lora"])
+def test_mismatched_config_is_refused_naming_the_first_tensor(ckpt, changes, tensor, problem):
+    with pytest.raises(ValueError, match="first mismatched tensor") as e:
+        k2jax.load(ckpt, cfg=_config(changes), mesh=make_mesh("expert=8"))
+    assert f"first mismatched tensor {tensor}: " in str(e.value) and problem in str(e.value), str(e.value)
+
+
+def test_config_json_that_does_not_match_is_refused(ckpt, tmp_path):
+    d = tmp_path / "edited"
+    shutil.copytree(ckpt, d)
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(hf | dict(kv_lora_rank=24)))
+    with pytest.raises(ValueError, match=r"does not match its config.json: first mismatched tensor "
+                                         r"dense_layers.self_attn.kv_a_layernorm.weight: .*\(1, 24\).*\(1, 16\)"):
+        k2jax.load(d, mesh=make_mesh("expert=8"))
+
+
+def test_a_matching_cfg_with_other_settings_is_used(ckpt, one_device):
+    cfg = _config(dict(rope_theta=1e6, max_position_embeddings=4096))
+    got_cfg, params = k2jax.load(ckpt, cfg=cfg)
+    assert got_cfg is cfg
+    np.testing.assert_array_equal(bits(params["lm_head"]), bits(one_device[1]["lm_head"]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Two processes of 4 CPU devices each (jax.distributed on localhost) restore the wide checkpoint on one
+# expert=8 mesh; each reports what it holds and the bytes it read from disk (rchar of /proc/self/io: every
+# read/pread, whatever thread made it) during a second restore, after a first one has imported everything.
+_WORKER = r"""
+import json, sys
+import jax
+rank, port, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=rank)
+import k2jax
+
+def rchar():
+    return int(next(l for l in open("/proc/self/io") if l.startswith("rchar:")).split()[1])
+
+mesh = k2jax.make_mesh("expert=8")
+k2jax.load(ckpt, mesh=mesh)  # discarded
+before = rchar()
+cfg, params = k2jax.load(ckpt, mesh=mesh)
+read = rchar() - before
+experts = params["moe_layers"]["mlp"]["experts"]
+print("RESULT", json.dumps({
+    "read": read, "local_devices": len(jax.local_devices()), "devices": len(jax.devices()),
+    "experts_held": sorted({(s.index[1].start, s.index[1].stop) for a in experts.values()
+                            for s in a.addressable_shards}),
+    "shard_experts": sorted({s.data.shape[1] for a in experts.values() for s in a.addressable_shards}),
+}), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_each_process_reads_only_the_shards_its_devices_hold(wide):
+    port = _free_port()
+    env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), str(port), str(wide)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    results = [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT"))[7:]) for o in outs]
+
+    manifest = json.loads((wide / "k2jax_manifest.json").read_text())
+    E = WIDE["n_routed_experts"]
+    expert_bytes = other_bytes = 0
+    for name, spec in manifest["leaves"].items():
+        assert stored_array(wide, name)["shape"] == spec["shape"]
+        nbytes = int(np.prod(spec["shape"])) * np.dtype(jnp.dtype(spec["dtype"])).itemsize
+        if name.startswith("moe_layers.mlp.experts."):
+            expert_bytes += nbytes
+        else:
+            other_bytes += nbytes
+    assert expert_bytes > 10 * other_bytes
+    # A process reads its half of every expert stack (its 4 devices' 2 experts each, whole chunks of one
+    # (layer, expert) slot) and one copy of each replicated tensor; metadata files add a few KB.
+    expected = expert_bytes // 2 + other_bytes
+    for rank, r in enumerate(results):
+        assert (r["devices"], r["local_devices"]) == (8, 4)
+        assert r["shard_experts"] == [E // 8]
+        assert r["experts_held"] == [[k, k + E // 8] for k in range(rank * E // 2, (rank + 1) * E // 2, E // 8)]
+        print(f"process {rank}: read {r['read']} B, its shards {expected} B, expert stacks {expert_bytes} B")
+        assert expected <= r["read"] <= expected + (256 << 10), (rank, r["read"], expected)
+        assert r["read"] < 0.6 * expert_bytes
+
+
+def test_host_memory_of_a_restore_is_its_in_flight_bound(wide):
+    """Host buffers (numpy, seen by tracemalloc; device buffers of the CPU backend are not) peak at the
+    in-flight bound plus what stays aliased by the CPU devices afterwards: never the model or an expert stack,
+    though the 8 devices of this process hold every expert."""
+    mesh = make_mesh("expert=8")
+    cap = 6 << 20
+    leaf_bytes = int(np.prod(stored_array(wide, "moe_layers.mlp.experts.up_proj")["shape"])) * 2
+    shard_bytes = leaf_bytes // 8
+    k2jax.load(wide, mesh=mesh, max_inflight_bytes=cap)  # discarded; imports and thread pools, outside the count
+    tracemalloc.start()
+    try:
+        _, params = k2jax.load(wide, mesh=mesh, max_inflight_bytes=cap)
+        kept, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    total = sum(a.nbytes for a in jax.tree_util.tree_leaves(params))
+    print(f"host peak {peak / 2**20:.1f} MiB, kept {kept / 2**20:.1f} MiB, model {total / 2**20:.1f} MiB, "
+          f"expert leaf {leaf_bytes / 2**20:.1f} MiB")
+    assert peak >= shard_bytes  # the measurement does see the shard buffers
+    # In flight: reads up to the bound, a shard on its way to its device after its read's reservation ended,
+    # and Python's own small allocations.
+    assert peak <= kept + cap + shard_bytes + (1 << 20)
+    assert peak - kept < leaf_bytes / 2
