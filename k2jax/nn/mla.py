@@ -84,15 +84,22 @@ def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """Attention with keys and values expanded per head from the latent (W_UK, W_UV applied to ckv).
 
     Returns the per-head outputs [B, T, N, V]. Scores and softmax in float32.
+
+    Laid out head-major ([B, N, ...]) with the scale folded into the query and optimization barriers
+    between the stages: XLA:CPU otherwise fuses the scale, the mask or a transposed output into the
+    matmuls and falls off its fast matmul kernels (measured 3-5x slower on the bench config).
     """
-    K = q_nope_BTNK.shape[-1]
-    kv_BSNX = einsum("BSR,RNX->BSNX", ckv_BSR, w_kv_b_RNX)
-    k_nope_BSNK, v_BSNV = kv_BSNX[..., :K], kv_BSNX[..., K:]
-    scores_BNTS = (
-        jnp.einsum("BTNK,BSNK->BNTS", q_nope_BTNK, k_nope_BSNK, preferred_element_type=jnp.float32)
-        + jnp.einsum("BTNP,BSP->BNTS", q_pe_BTNP, k_pe_BSP, preferred_element_type=jnp.float32)
-    ) * scale
+    K, P = q_nope_BTNK.shape[-1], q_pe_BTNP.shape[-1]
+    f32, dt = jnp.float32, ckv_BSR.dtype
+    barrier = jax.lax.optimization_barrier
+    kv_BNSX = barrier(jnp.einsum("BSR,RNX->BNSX", ckv_BSR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
+    k_nope_BNSK, v_BNSV = kv_BNSX[..., :K], kv_BNSX[..., K:]
+    q_BTNH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1)
+    q_BNTH = (q_BTNH.transpose(0, 2, 1, 3).astype(f32) * scale).astype(dt)
+    k_BNSH = jnp.concatenate([k_nope_BNSK, jnp.broadcast_to(k_pe_BSP[:, None].astype(dt),
+                                                            k_nope_BNSK.shape[:3] + (P,))], -1)
+    scores_BNTS = barrier(jnp.einsum("BNTH,BNSH->BNTS", q_BNTH, k_BNSH, preferred_element_type=f32))
     scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
-    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1).astype(v_BSNV.dtype)
-    return jnp.einsum("BNTS,BSNV->BTNV", probs_BNTS, v_BSNV,
-                      preferred_element_type=jnp.float32).astype(v_BSNV.dtype)
+    probs_BNTS = barrier(jax.nn.softmax(scores_BNTS, axis=-1).astype(dt))
+    out_BNTV = barrier(jnp.einsum("BNTS,BNSV->BNTV", probs_BNTS, v_BNSV, preferred_element_type=f32))
+    return out_BNTV.astype(dt).transpose(0, 2, 1, 3)
