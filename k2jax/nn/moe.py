@@ -204,12 +204,60 @@ def _tiled_swiglu(x_TD, flat_M, order_M, sizes_E, gate_EDF, up_EDF, down_EFD, ti
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
     n_active = pad_end_E[-1] // tile
 
-    def body(_, inp):
-        j, e, x_tD = inp
-        y_tD = jax.lax.cond(j < n_active,
-                            lambda: _swiglu(x_tD, gate_EDF[e], up_EDF[e], down_EFD[e]),
-                            lambda: jnp.zeros_like(x_tD))
-        return None, y_tD
-
-    _, y_tiles = jax.lax.scan(body, None, (jnp.arange(n_tiles), tile_expert, x_pad_PD.reshape(n_tiles, tile, D)))
+    y_tiles = _tile_loop(x_pad_PD.reshape(n_tiles, tile, D), tile_expert, n_active, gate_EDF, up_EDF, down_EFD)
     return y_tiles.reshape(n_tiles * tile, D)[dest_M]
+
+
+@jax.custom_vjp
+def _tile_loop(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    """y[j] = SwiGLU(x[j]) with tile j's expert, for the first n_active tiles (zeros after); x [n, C, D].
+
+    A while loop visits only the active tiles. Its own backward pass (below) adds each tile's weight
+    gradient into its expert's slot: differentiating the loop directly would add a zero-padded gradient
+    of all experts' weights on every tile.
+    """
+    def body(j, y_nCD):
+        e = expert_n[j]
+        return y_nCD.at[j].set(_swiglu(x_nCD[j], gate_EDF[e], up_EDF[e], down_EFD[e]))
+
+    return jax.lax.fori_loop(0, n_active, body, jnp.zeros_like(x_nCD))
+
+
+def _tile_loop_fwd(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    return _tile_loop(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD), (
+        x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+
+
+def _tile_loop_bwd(res, dy_nCD):
+    x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
+    f32, dt = jnp.float32, x_nCD.dtype
+
+    def mm(eq, a, b):
+        return jnp.einsum(eq, a, b, preferred_element_type=f32)
+
+    def body(j, carry):
+        dx_nCD, dgate, dup, ddown = carry
+        e, x_CD, dy_CD = expert_n[j], x_nCD[j], dy_nCD[j].astype(dt)
+        gate_DF, up_DF, down_FD = gate_EDF[e], up_EDF[e], down_EFD[e]
+        # Recompute the forward in the same dtypes as _swiglu.
+        g_CF = mm("CD,DF->CF", x_CD, gate_DF).astype(dt).astype(f32)
+        u_CF = mm("CD,DF->CF", x_CD, up_DF).astype(dt).astype(f32)
+        sig_CF = jax.nn.sigmoid(g_CF)
+        h_CF = (g_CF * sig_CF).astype(dt).astype(f32) * u_CF
+        dh_CF = mm("CD,FD->CF", dy_CD, down_FD)
+        dg_CF = (dh_CF * u_CF * sig_CF * (1 + g_CF * (1 - sig_CF))).astype(dt)
+        du_CF = (dh_CF * g_CF * sig_CF).astype(dt)
+        dx_CD = mm("CF,DF->CD", dg_CF, gate_DF) + mm("CF,DF->CD", du_CF, up_DF)
+        return (dx_nCD.at[j].set(dx_CD.astype(dt)),
+                dgate.at[e].add(mm("CD,CF->DF", x_CD, dg_CF)),
+                dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)),
+                ddown.at[e].add(mm("CF,CD->FD", h_CF.astype(dt), dy_CD)))
+
+    init = (jnp.zeros_like(x_nCD), jnp.zeros(gate_EDF.shape, f32), jnp.zeros(up_EDF.shape, f32),
+            jnp.zeros(down_EFD.shape, f32))
+    dx_nCD, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
+    return (dx_nCD, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
+            ddown.astype(down_EFD.dtype))
+
+
+_tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)
