@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from k2jax import distributed as D
 from k2jax.checkpoint import names as N
 from k2jax.checkpoint import orbax_io as O
 from k2jax.checkpoint.fp8 import dequantize, scale_shape
@@ -302,10 +303,27 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
                          f"the release's F8_E4M3 weights (convert a float checkpoint with --dtype bfloat16)"
                          for s in plan.sources if s.target.fp8 and s.dtype != "F8_E4M3"]
         raise_all(problems, src)
-        todo_layers = parse_layers(layers, cfg.num_hidden_layers)
+        index, count = _processes()
+        if count > 1 and layers is not None:
+            raise ConvertError(f"--layers {layers!r}: under jax.distributed each of the {count} processes converts "
+                               f"its own share of the layers; drop --layers")
+        todo_layers = (parse_layers(layers, cfg.num_hidden_layers) if count == 1
+                       else D.share(cfg.num_hidden_layers, index, count))
         leaves, fp8 = plan_leaves(cfg, dtype, plan.block)
         job = fingerprint(src, ckpt, dtype)
-        state = prepare_dst(dst, job, overwrite)
+
+        def make_converter():
+            try:
+                return _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, workers)
+            except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
+                raise ConvertError(f"DST {dst}: cannot create the arrays: {_first_line(e)}") from None
+
+        conv = None
+        if count == 1:
+            state = prepare_dst(dst, job, overwrite)
+        else:  # process 0 prepares DST and creates the arrays, then the others open them
+            state, conv = _together("prepare", index, lambda: _prepare_and_create(dst, job, overwrite,
+                                                                                  make_converter))
         units = {GLOBAL_UNIT} | {f"layer-{i:05d}" for i in range(cfg.num_hidden_layers)}
         stats = Stats(units_total=len(units))
         if state == "done":
@@ -322,21 +340,77 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
         sources.sort(key=lambda s: (order[ckpt.file_of(s.target.name)], ckpt.tensors[s.target.name].begin))
         if not quiet and done & wanted:
             log(f"{dst}: resuming: {len(done & wanted)} of {len(wanted)} units already converted")
-        try:
-            conv = _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, workers)
-        except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
-            raise ConvertError(f"DST {dst}: cannot create the arrays: {_first_line(e)}") from None
+        if count > 1 and not quiet:
+            log(f"process {index} of {count}: layers {todo_layers.start}:{todo_layers.stop}"
+                + (" and the global tensors" if GLOBAL_UNIT in wanted else ""))
+        conv = conv or make_converter()
         pending = {u: 0 for u in run_units}
         for s in sources:
             pending[unit_of(s.target)] += 1
-        data_problems = _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats)
+        if count == 1:
+            data_problems = _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats)
+        else:  # every process learns every other's problems: all fail together, none waits forever
+            data_problems = _together_all("convert", lambda: _run(conv, ckpt, sources, pending, done_dir, workers,
+                                                                  quiet, stats))
         raise_all(data_problems, src)
-        stats.units_left = len(units - {p.name for p in done_dir.iterdir()})
+
+        def complete():
+            left = len(units - {p.name for p in done_dir.iterdir()})
+            if left == 0:
+                finalize(src, dst, cfg, ckpt, dtype, plan.block, leaves, fp8, job)
+            return left
+
+        # Several processes: process 0 marks DST complete once all have converted theirs; all return after.
+        stats.units_left = complete() if count == 1 else int(_together("finalize", index, lambda: (complete(), None))[0])
         stats.complete = stats.units_left == 0
-        if stats.complete:
-            finalize(src, dst, cfg, ckpt, dtype, plan.block, leaves, fp8, job)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+
+# ------------------------------------------------------------------------------------------------------
+# Several processes (jax.distributed, one per host): they agree through the coordinator's key-value service.
+def _processes() -> tuple[int, int]:
+    """(this process's index, how many) under jax.distributed; (0, 1) otherwise."""
+    if not D.running_distributed():
+        return 0, 1
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def _prepare_and_create(dst, job, overwrite, make_converter):
+    state = prepare_dst(dst, job, overwrite)
+    return state, (None if state == "done" else make_converter())
+
+
+def _together(name: str, index: int, fn):
+    """Run fn() -> (result, local value) on process 0 only; every process returns (its result, the local value
+    on process 0, None elsewhere), or raises process 0's error."""
+    value, local, error = "", None, ""
+    if index == 0:
+        try:
+            result, local = fn()
+            value = json.dumps(result)
+        except ConvertError as e:
+            error = str(e)
+    posted = D.gather_strings(name, json.dumps({"value": value, "error": error}))
+    first = json.loads(posted[0])
+    if first["error"]:
+        raise ConvertError(first["error"] if index == 0 else f"process 0: {first['error']}")
+    return json.loads(first["value"]), local
+
+
+def _together_all(name: str, fn) -> list[str]:
+    """Run fn() -> problems (list of str) on every process; -> all processes' problems, an exception on any
+    process counting as one (so all of them raise)."""
+    try:
+        mine = {"problems": fn()}
+    except ConvertError as e:
+        mine = {"problems": [str(e)]}
+    except Exception as e:  # noqa: BLE001 - reported by every process, then raised here
+        mine = {"problems": [f"{type(e).__name__}: {_first_line(e)}"]}
+    posted = [json.loads(x) for x in D.gather_strings(name, json.dumps(mine))]
+    return [f"process {i}: {p}" for i, r in enumerate(posted) for p in r["problems"]]
 
 
 def _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats) -> list[str]:
@@ -433,6 +507,10 @@ Every header and FP8 scale is verified first, against config.json; all problems 
 nothing is written. Conversion streams tensor by tensor on --workers threads (memory: a few tensors, not the
 model), and can be killed at any moment: rerun the same command to resume. DST is marked complete only at
 the very end (k2jax_manifest.json); a complete DST is replaced only with --overwrite.
+
+On several hosts sharing DST (a shared filesystem), run the same command on each with --distributed (a TPU
+slice) or --coordinator/--num-processes/--process-id: each process converts its own contiguous share of the
+layers, and every process returns only once DST is complete.
 """
 
 
@@ -452,14 +530,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint (or another job's "
                                                             "unfinished one) at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines, only errors")
+    D.add_arguments(p)
 
 
 def run(args: argparse.Namespace, prog: str = "k2jax convert") -> int:
     """Run a parsed command line; -> exit status. Errors are one cause (or one list of problems), no traceback."""
-    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, file=sys.stderr, **k))
+    quiet = args.quiet
+    log = (lambda *a, **k: None) if quiet else (lambda *a, **k: print(*a, file=sys.stderr, **k))
     try:
+        if D.initialize_from_args(args) and not D.is_main():  # one progress bar and report: process 0's
+            quiet, log = True, (lambda *a, **k: None)
         stats = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, layers=args.layers,
-                        overwrite=args.overwrite, quiet=args.quiet, log=log)
+                        overwrite=args.overwrite, quiet=quiet, log=log)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

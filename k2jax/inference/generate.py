@@ -114,7 +114,9 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     included) is split over its 'data' (and 'fsdp') axes and the model runs under k2jax.sharding.use_mesh;
     params already on the mesh keep their shardings (see k2jax.sharding.param_shardings), others are
     replicated. `on_token(tokens [B], active [B])` is called as each token is produced (streaming);
-    `timings`, if a dict, receives compile_s, prefill_s, decode_s and decode_steps.
+    `timings`, if a dict, receives compile_s, prefill_s, decode_s and decode_steps. Under jax.distributed
+    (a mesh over several processes' devices) every process calls it with the same arguments and gets the
+    whole result.
 
     Returns (tokens int32 [B, max_new_tokens], padded with PAD_ID after each end; lengths int32 [B]), numpy.
     Raises ValueError for an empty batch or prompt, an id outside the vocabulary, a prompt that does not fit
@@ -167,22 +169,32 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
                            out_shardings=jax.tree.map(lambda x: x.sharding, state))
         t3 = time.perf_counter()
     if on_token is not None:
-        on_token(np.asarray(state["token"])[:n], np.ones(n, bool))
+        on_token(_host(state["token"])[:n], np.ones(n, bool))
     steps = 0
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
-            active = ~np.asarray(state["done"])[:n]
+            active = ~_host(state["done"])[:n]
             if not active.any():
                 break
         state = decode(params, state)
         steps += 1
         if on_token is not None:
-            on_token(np.asarray(state["token"])[:n], active)
-    out, lengths = np.asarray(state["out"])[:n], np.asarray(state["length"])[:n]
+            on_token(_host(state["token"])[:n], active)
+    out, lengths = _host(state["out"])[:n], _host(state["length"])[:n]
     if timings is not None:
         timings.update(compile_s=(t1 - t0) + (t3 - t2), prefill_s=t2 - t1, decode_s=time.perf_counter() - t3,
                        decode_steps=steps)
     return out, lengths
+
+
+def _host(x) -> np.ndarray:
+    """The whole of `x` as numpy on every process: under jax.distributed a batch split over processes is
+    gathered (all processes call this at the same points, so they also stop at the same step)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _on_mesh(x, mesh):
