@@ -195,8 +195,9 @@ def test_bias_unchanged_without_balancing(tiny, single_device):
 
 def test_eight_devices_same_losses(tiny, single_device):
     """Params, optimizer state and batch sharded over data=2, expert=4 (the experts' weights split 4 ways).
-    The MoE runs its dense form here: the expert-parallel token exchange (k2jax.expert_parallel, all-to-all
-    mode) stalls in the backward pass on simulated CPU devices (collective rendezvous never completes)."""
+    The MoE runs its dense form here: under this train step the expert-parallel all-to-all exchange
+    (k2jax.expert_parallel) still aborts on simulated CPU devices (a collective rendezvous never completes),
+    although a plain jax.grad through it now works (tests/test_sharding.py)."""
     cfg, params, batch = tiny
     mesh = make_mesh("data=2,expert=4")
     step, trained, opt_state, hist = train(cfg, params, batch, STEPS, mesh)
