@@ -269,6 +269,21 @@ def test_bad_input(src, tmp_path, capsys, case):
     assert not (d / MANIFEST).exists() and not (d.exists() and any(d.iterdir()))
 
 
+def test_nan_in_fp8_data_is_reported(src, tmp_path, capsys):
+    """NaN inside an FP8 weight (e4m3fn 0x7F) is found by the dequantizing pass: exit 2, the tensor named,
+    nothing marked complete."""
+    s = _copy(src, tmp_path / "src")
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    with Checkpoint(s) as ck:
+        info = ck.tensors[name]
+    _patch(pathlib.Path(info.file), info.begin + 17, b"\x7f")
+    d = tmp_path / "dst"
+    assert main([str(s), str(d), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"{re.escape(name)}.*1 NaN/inf value", err) and "Traceback" not in err, err
+    assert not (d / MANIFEST).exists()
+
+
 def test_problems_are_reported_together(src, tmp_path, capsys):
     s = _copy(src, tmp_path / "src")
     _drop(s, SCALE)

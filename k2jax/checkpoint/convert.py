@@ -224,19 +224,25 @@ def _nonfinite(x: np.ndarray) -> int:
     return int(x.size - np.count_nonzero(np.isfinite(x)))
 
 
-def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block, dtype) -> np.ndarray:
-    """fp8 [out, in] with block scales -> dtype [in, out], C-contiguous: `fp8.dequantize(w, scale, block,
-    float32).astype(dtype).T`, bit for bit, as one fused XLA loop on the host CPU (decode, scale, round and
-    transpose in one pass: about 2x faster than numpy's separate passes)."""
-    return np.asarray(_dequantize_t()(w_OI, scale, tuple(block), np.dtype(dtype)))
+def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block, dtype) -> tuple[np.ndarray, int]:
+    """fp8 [out, in] with block scales -> (dtype [in, out] C-contiguous, count of non-finite values):
+    `fp8.dequantize(w, scale, block, float32).astype(dtype).T`, bit for bit, as one fused XLA loop on the host
+    CPU (decode, scale, check, round and transpose in one pass: about 2x faster than numpy's separate passes;
+    the scales are checked finite and positive beforehand, so a non-finite value means NaN in the data)."""
+    x, bad = _dequantize_t()(w_OI, scale, tuple(block), np.dtype(dtype))
+    return np.asarray(x), int(bad)
 
 
 @functools.cache
 def _dequantize_t():
     import jax  # here, not at import: `k2jax --help` stays quick
+    import jax.numpy as jnp
 
-    return jax.jit(lambda w, s, block, dtype: dequantize(w, s, block, np.float32).astype(dtype).T,
-                   static_argnums=(2, 3))
+    def f(w, s, block, dtype):
+        x = dequantize(w, s, block, np.float32)
+        return x.astype(dtype).T, jnp.sum(~jnp.isfinite(x))
+
+    return jax.jit(f, static_argnums=(2, 3))
 
 
 class _Converter:
@@ -253,18 +259,22 @@ class _Converter:
         t, ckpt = src.target, self.ckpt
         name = O.leaf_name(t.leaf)
         raw = ckpt.read(t.name)
-        bad = _nonfinite(raw)
+        slot = N.slot_shape(t, self.cfg)
+        fused = name not in self.fp8 and src.scale is not None and t.transform.forward is N.T.TRANSPOSE.forward
+        if fused:  # every FP8 weight: the dequantizing pass also counts non-finite values
+            x, bad = dequantize_transposed(raw, ckpt.read(src.scale), self.block, self.leaf_dtype[name])
+        else:
+            bad = _nonfinite(raw)
         if bad:
             return f"{t.name!r} ({ckpt.file_of(t.name)}): {bad} NaN/inf value(s) in the data"
-        slot = N.slot_shape(t, self.cfg)
         writes = []
-        if name in self.fp8:
+        if fused:
+            # as load_hf: products in float32, one rounding to the target dtype; x.T.reshape(slot) = forward
+            x = x.reshape(slot)
+        elif name in self.fp8:
             scale = ckpt.read(src.scale).astype(np.float32)
             writes.append(self._slot(self.fp8[name]["scale"], t).write(scale.T))
             x = t.transform.forward(raw, slot)
-        elif src.scale is not None and t.transform.forward is N.T.TRANSPOSE.forward:  # every FP8 weight
-            # as load_hf: products in float32, one rounding to the target dtype; x.T.reshape(slot) = forward
-            x = dequantize_transposed(raw, ckpt.read(src.scale), self.block, self.leaf_dtype[name]).reshape(slot)
         else:
             if src.scale is not None:
                 raw = dequantize(raw, ckpt.read(src.scale), self.block, np.float32)
