@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
-import textwrap
 import time
 
 from common import REPO, median, time_fn  # noqa: F401  (also puts the repo on sys.path)
@@ -29,6 +27,7 @@ import numpy as np
 
 from k2jax import K2Config, K2Model, abstract_params, generate, load_hf
 from k2jax.inference.cache import cache_bytes, cache_shapes
+from k2jax.testing import prefill_memory
 
 CONFIGS = os.path.join(REPO, "configs")
 
@@ -57,33 +56,9 @@ def decode_step_times(cfg, params, batch, context, repeats):
     return out
 
 
-_LONG_PREFILL = """
-import time, jax, jax.numpy as jnp
-from k2jax import K2Config, K2Model, init_params
-cfg = K2Config.from_hf_config("configs/tiny.json")
-model, L = K2Model(cfg), {length}
-params = init_params(cfg, jax.random.PRNGKey(0))
-tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L), 0, cfg.vocab_size)
-f = jax.jit(lambda p, t: model.apply({{"params": p}}, t, jnp.arange(L)[None], jnp.ones((1, L), bool),
-                                     method=K2Model.prefill))
-compiled = f.lower(params, tokens).compile()
-
-def status(key):  # kB; VmHWM is this process's own peak (getrusage's maxrss also counts the parent at fork)
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
-
-open("/proc/self/clear_refs", "w").write("5")  # restart the peak from here: only the run is measured
-before = status("VmRSS:")
-t = time.perf_counter()
-jax.block_until_ready(compiled(params, tokens))
-print(time.perf_counter() - t, before / 2**20, status("VmHWM:") / 2**20)
-"""
-
-
 def long_prefill(length):
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_LONG_PREFILL.format(length=length))], cwd=REPO,
-                         capture_output=True, text=True, check=True,
-                         env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-    return [float(x) for x in out.stdout.split()[-3:]]
+    """(seconds, MiB resident before, MiB the peak grew) of a tiny-config prefill, in its own process."""
+    return prefill_memory(length, f"{REPO}/configs/tiny.json")
 
 
 def main():
@@ -120,10 +95,10 @@ def main():
     if not args.skip_long:
         print("\n== long prefill, tiny config, key-blocked attention (subprocess)")
         for L in (8192, 32768):
-            secs, before, peak = long_prefill(L)
+            secs, before, grew = long_prefill(L)
             plain = 4 * L * L * 4 / 2**30
-            print(f"{L:6d} tokens: {secs:.1f} s, peak RSS {peak:.2f} GiB (+{(peak - before) * 1024:.0f} MiB "
-                  f"during the run); the plain path's f32 scores alone would be {plain:.1f} GiB", flush=True)
+            print(f"{L:6d} tokens: {secs:.1f} s, resident {before / 1024:.2f} GiB before, peak +{grew:.0f} MiB "
+                  f"during the run; the plain path's f32 scores alone would be {plain:.1f} GiB", flush=True)
 
     if args.skip_hf:
         return

@@ -16,12 +16,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from common import median, time_fn  # noqa: E402
 
 from k2jax.config import K2Config  # noqa: E402
 from k2jax.expert_parallel import moe_expert_parallel  # noqa: E402
@@ -33,13 +34,7 @@ CAPACITY = 1.25  # moe_expert_parallel's default capacity_factor
 
 
 def timed(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return median(time_fn(fn, *args, repeats=repeats))
 
 
 def sent_bytes(mode, idx, E, n, t, K, D, itemsize):

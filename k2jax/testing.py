@@ -143,3 +143,41 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[int, int, flo
     p = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], env=env, stdout=subprocess.PIPE, text=True)
     rss, wall, cpu = p.stdout.split()[-3:]
     return p.returncode, int(rss), float(wall), float(cpu)
+
+
+_PREFILL_SCRIPT = """
+import time, jax, jax.numpy as jnp
+from k2jax import K2Config, K2Model, init_params
+cfg = K2Config.from_hf_config({config!r})
+model, L = K2Model(cfg), {length}
+params = init_params(cfg, jax.random.PRNGKey(0))
+tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L), 0, cfg.vocab_size)
+f = jax.jit(lambda p, t: model.apply({{"params": p}}, t, jnp.arange(L)[None], jnp.ones((1, L), bool),
+                                     method=K2Model.prefill))
+compiled = f.lower(params, tokens).compile()
+
+def status(key):  # kB; VmHWM is this process's own peak (getrusage's maxrss also counts the parent at fork)
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
+
+open("/proc/self/clear_refs", "w").write("5")  # restart the peak from here: only the run is measured
+before = status("VmRSS:")
+t = time.perf_counter()
+logits, kv = jax.block_until_ready(compiled(params, tokens))
+assert logits.shape == (1, cfg.vocab_size) and kv["moe_layers"]["ckv"].shape[2] == L
+print(time.perf_counter() - t, before / 1024, (status("VmHWM:") - before) / 1024)
+"""
+
+
+def prefill_memory(length: int, config: str | os.PathLike, timeout: float = 900) -> tuple[float, float, float]:
+    """Run one prefill of `length` tokens of `config` (random params, one CPU device) in a fresh process:
+    -> (seconds, MiB resident before the run, MiB the peak grew during the run; compile excluded)."""
+    import subprocess
+    import sys
+
+    script = _PREFILL_SCRIPT.format(config=str(config), length=int(length))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode:
+        raise RuntimeError(f"prefill of {length} tokens failed:\n{out.stderr[-3000:]}")
+    seconds, before, grew = (float(x) for x in out.stdout.split()[-3:])
+    return seconds, before, grew

@@ -1,8 +1,5 @@
 """Inference attention kernels against the plain expanded attention (k2jax.nn.mla.attend_expanded)."""
 
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +8,8 @@ import pytest
 
 from k2jax.inference.attention import attend_absorbed, attend_blocked
 from k2jax.nn.mla import attend_expanded
-from tests.conftest import REPO
+from k2jax.testing import prefill_memory
+from tests.conftest import CONFIGS
 
 B, N, K, P, V, R = 2, 3, 16, 8, 12, 20
 SCALE = 0.17
@@ -61,35 +59,9 @@ def test_absorbed_decode_equals_expanded_on_same_cache(T):
     np.testing.assert_allclose(np.asarray(got16, np.float32), want, atol=0.06, rtol=0.06)
 
 
-_PREFILL_MEMORY = """
-import jax, jax.numpy as jnp
-from k2jax import K2Config, K2Model, init_params
-cfg = K2Config.from_hf_config("configs/tiny.json")
-model, L = K2Model(cfg), {length}
-params = init_params(cfg, jax.random.PRNGKey(0))
-tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L), 0, cfg.vocab_size)
-f = jax.jit(lambda p, t: model.apply({{"params": p}}, t, jnp.arange(L)[None], jnp.ones((1, L), bool),
-                                     method=K2Model.prefill))
-compiled = f.lower(params, tokens).compile()
-
-def status(key):  # kB; VmHWM is this process's own peak (getrusage's maxrss also counts the parent at fork)
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
-
-open("/proc/self/clear_refs", "w").write("5")  # restart the peak from here: only the run is measured
-before = status("VmRSS:")
-logits, kv = jax.block_until_ready(compiled(params, tokens))
-assert logits.shape == (1, cfg.vocab_size) and kv["moe_layers"]["ckv"].shape == (2, 1, L, cfg.kv_lora_rank)
-print((status("VmHWM:") - before) / 1024)
-"""
-
-
 def test_long_prefill_memory_is_linear():
     """An 8k-token prefill of the tiny config: the plain path's score matrix alone would be
     1 × 4 heads × 8192² × 4 bytes = 1 GiB; the blocked one stays far below (bench/decode.py measures 32k)."""
     length = 8192
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_PREFILL_MEMORY.format(length=length))],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    grew_mib = float(out.stdout.split()[-1])
+    _, _, grew_mib = prefill_memory(length, CONFIGS / "tiny.json", timeout=300)
     assert grew_mib < 256, f"peak memory grew by {grew_mib:.0f} MiB during an {length}-token prefill"
