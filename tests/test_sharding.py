@@ -169,3 +169,15 @@ def test_full_width_kimi_k2_moe_block_compiles_with_an_eighth_per_device():
     args = compiled.memory_analysis().argument_size_in_bytes
     assert args == pytest.approx(expected, rel=1e-3)
     assert args / (block_bytes / 8) < 1.1
+
+
+def test_param_shardings_and_init_inside_use_mesh():
+    """Inside `with use_mesh(mesh):` (where users run their steps) the shape-only init must not trip over the
+    activation constraints."""
+    mesh = make_mesh("expert=8")
+    outside = param_shardings(TINY, mesh)
+    with use_mesh(mesh):
+        inside = param_shardings(TINY, mesh)
+        params = init_params(TINY)
+    assert jax.tree.map(lambda s: s.spec, inside) == jax.tree.map(lambda s: s.spec, outside)
+    assert jax.tree.structure(params) == jax.tree.structure(outside)

@@ -102,16 +102,34 @@ def init_params(cfg: K2Config, rng=None, param_dtype=jnp.float32, moe_impl="auto
     """Random params (unboxed nested dict) for `cfg`."""
     rng = jax.random.PRNGKey(0) if rng is None else rng
     model = K2Model(cfg, param_dtype, moe_impl)
-    return nn.unbox(jax.jit(model.init)(rng, jnp.zeros((1, 1), jnp.int32))["params"])
+    with _no_activation_constraints():
+        return _unbox(jax.jit(model.init)(rng, jnp.zeros((1, 1), jnp.int32))["params"])
 
 
 def abstract_params(cfg: K2Config, param_dtype=jnp.float32):
     """The param tree as jax.ShapeDtypeStruct leaves, with no memory allocated (serves the full 1T config)."""
-    boxed = jax.eval_shape(K2Model(cfg, param_dtype).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
-    return nn.unbox(boxed["params"])
+    return _unbox(_boxed_shapes(cfg, param_dtype))
 
 
 def param_axes(cfg: K2Config):
     """Logical axis names of every param (same tree as abstract_params), from the modules' annotations."""
-    boxed = jax.eval_shape(K2Model(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
-    return nn.get_partition_spec(boxed["params"])
+    return nn.get_partition_spec(_boxed_shapes(cfg, jnp.float32))
+
+
+def _boxed_shapes(cfg: K2Config, param_dtype):
+    with _no_activation_constraints():
+        return jax.eval_shape(K2Model(cfg, param_dtype).init, jax.random.PRNGKey(0),
+                              jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def _unbox(tree):
+    """Strip the axis-name boxes without nn.unbox's sharding constraint, which under an active mesh cannot
+    apply to shapes or to freshly made params."""
+    return jax.tree_util.tree_map(lambda x: x.unbox(apply_constraint=False) if isinstance(x, nn.Partitioned) else x,
+                                  tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def _no_activation_constraints():
+    """Initialising traces a 1-token forward; under k2jax.use_mesh its activation constraints would apply to
+    that trace and fail. With no logical-axis rules they are no-ops; the params' axis names are unaffected."""
+    return nn.logical_axis_rules(())
