@@ -14,3 +14,16 @@ CONFIGS = REPO / "configs"
 @pytest.fixture(scope="session")
 def repo():
     return REPO
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    """The transformers reference (tests/oracle), one process for the whole run. Skipped when it is not
+    installed, unless K2JAX_REQUIRE_ORACLE=1 (CI), where a missing oracle is an error."""
+    from tests.oracle.client import Oracle, require_oracle
+
+    o = require_oracle()
+    if o is None:
+        pytest.skip(Oracle.unavailable_reason())
+    with o:
+        yield o

@@ -21,7 +21,6 @@ from k2jax.checkpoint.convert import KILL_AFTER_ENV, convert, main
 from k2jax.checkpoint.orbax_io import MANIFEST, IncompleteCheckpointError
 from k2jax.checkpoint.safetensors_io import Checkpoint, write_file
 from k2jax.testing import run_measured, write_release_checkpoint
-from tests.oracle.client import require_oracle
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Dims that are not multiples of 128 (partial edge blocks everywhere), Kimi's routing and rope, 3 layers.
@@ -96,17 +95,12 @@ def test_float32_conversion_equals_load_hf(src, tmp_path):
     assert_bit_equal(k2jax.load(tmp_path / "f32")[1], load_hf(src, dtype=jnp.float32)[1])
 
 
-def test_logits_equal_transformers(src, tmp_path):
-    oracle = require_oracle()
-    if oracle is None:
-        from tests.oracle.client import Oracle
-        pytest.skip(Oracle.unavailable_reason())
+def test_logits_equal_transformers(src, tmp_path, oracle):
     d = tmp_path / "f32"
     assert main([str(src), str(d), "--dtype", "float32", "--quiet"]) == 0
     cfg, params = k2jax.load(d)
     ids = np.random.default_rng(2).integers(0, 96, (2, 9))
-    with oracle:
-        want = oracle.run({"load": str(src), "inputs": {"input_ids": ids}})["logits"]
+    want = oracle.run({"load": str(src), "inputs": {"input_ids": ids}})["logits"]
     got = K2Model(cfg).apply({"params": params}, jnp.asarray(ids))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 

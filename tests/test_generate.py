@@ -76,17 +76,12 @@ def test_greedy_generate_is_argmax_of_full_forward(model_params):
     np.testing.assert_array_equal(alone[0], tokens[1])
 
 
-def test_greedy_equals_transformers_generate(tmp_path):
-    from tests.oracle.client import Oracle, require_oracle
+def test_greedy_equals_transformers_generate(tmp_path, oracle):
     import k2jax
 
-    oracle = require_oracle()
-    if oracle is None:
-        pytest.skip(Oracle.unavailable_reason())
     prompts = [[3, 1, 4, 1, 5], list(range(100, 112)), [7, 7]]
-    with oracle:
-        want = oracle.run({"config": TINY.to_hf_config(), "seed": 11, "save": {"dir": str(tmp_path), "format": "hf"},
-                           "generate": {"prompts": prompts, "max_new_tokens": NEW}})
+    want = oracle.run({"config": TINY.to_hf_config(), "seed": 11, "save": {"dir": str(tmp_path), "format": "hf"},
+                       "generate": {"prompts": prompts, "max_new_tokens": NEW}})
     cfg, params = k2jax.load_hf(tmp_path)
     assert cfg == TINY
     tokens, lengths = generate(K2Model(cfg), params, prompts, NEW)

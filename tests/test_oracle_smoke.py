@@ -10,15 +10,12 @@ import json
 import math
 import os
 import struct
-import sys
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.oracle.client import Oracle, require_oracle  # noqa: E402
 
 # Kimi-like in miniature. intermediate_size 160 > 128 puts partial 128x128 blocks into the dense MLP's FP8 scales.
 CONFIG = {
@@ -37,15 +34,6 @@ B, T, V, D, L = 2, 7, 64, 32, 2
 INPUT_IDS = np.random.default_rng(0).integers(0, V, size=(B, T))
 PROMPTS = [[1, 5, 9], [7, 3, 2, 11, 4]]
 NEW_TOKENS = 5
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    o = require_oracle()
-    if o is None:
-        pytest.skip(Oracle.unavailable_reason())
-    with o:
-        yield o
 
 
 def read_safetensors(path) -> dict[str, tuple[str, list[int], np.ndarray]]:

@@ -17,7 +17,6 @@ from k2jax.nn.mlp import MLP
 from k2jax.nn.moe import MoE, Router
 from k2jax.nn.norm import rms_norm
 from k2jax.nn.rope import apply_rope, attention_factor, inv_freq
-from tests.oracle.client import require_oracle
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 KIMI_ROPE = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
@@ -44,16 +43,6 @@ CONFIGS = {
                              rope_interleave=False, num_hidden_layers=4),
 }
 B, T = 2, 12
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    o = require_oracle()
-    if o is None:
-        from tests.oracle.client import Oracle
-        pytest.skip(Oracle.unavailable_reason())
-    with o:
-        yield o
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

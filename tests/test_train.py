@@ -14,7 +14,6 @@ from k2jax.checkpoint import names as N
 from k2jax.sharding import make_mesh
 from k2jax.train import BIAS_PATH, loss_and_metrics, make_train_step, next_token_targets, token_nll
 from tests.conftest import CONFIGS
-from tests.oracle.client import require_oracle
 
 # DeepSeek-V3's grouped routing, one dense block then two MoE blocks; the oracle's random bias changes choices.
 HF_CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=112, moe_intermediate_size=24, num_hidden_layers=3,
@@ -37,11 +36,7 @@ def _fetch(tree, path):
 
 # ------------------------------------------------------------------------------- against transformers
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    oracle = require_oracle()
-    if oracle is None:
-        from tests.oracle.client import Oracle
-        pytest.skip(Oracle.unavailable_reason())
+def reference(tmp_path_factory, oracle):
     d = tmp_path_factory.mktemp("train_ref")
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 96, (B, T))
@@ -51,11 +46,10 @@ def reference(tmp_path_factory):
     loss_mask[0, :5] = 0  # a prompt
     labels, weights = (np.asarray(a) for a in next_token_targets(jnp.asarray(ids), jnp.asarray(loss_mask),
                                                                  jnp.asarray(attn)))
-    with oracle:
-        out = oracle.run({"config": HF_CFG, "seed": 11, "save": {"dir": str(d), "format": "hf"},
-                          "inputs": {"input_ids": ids, "attention_mask": attn}, "capture": True,
-                          "grad": {"input_ids": ids, "labels": np.where(weights > 0, labels, -100),
-                                   "loss_mask": weights, "attention_mask": attn}})
+    out = oracle.run({"config": HF_CFG, "seed": 11, "save": {"dir": str(d), "format": "hf"},
+                      "inputs": {"input_ids": ids, "attention_mask": attn}, "capture": True,
+                      "grad": {"input_ids": ids, "labels": np.where(weights > 0, labels, -100),
+                               "loss_mask": weights, "attention_mask": attn}})
     cfg, params = load_hf(d)
     batch = {"tokens": jnp.asarray(ids, jnp.int32), "loss_mask": jnp.asarray(loss_mask),
              "attention_mask": jnp.asarray(attn)}
