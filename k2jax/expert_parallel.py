@@ -75,6 +75,13 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     f_ax = "tensor" if "tensor" in mesh.shape else None
 
     def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
+        # Under grad, an input replicated over a mesh axis (the experts over data, the tokens over tensor) has
+        # its cotangent psum'd over that axis where it first meets a value that varies: made to vary over
+        # every axis here, those psums run once, here. Otherwise they run inside the tile loop's cond
+        # (_sorted_tiled_swiglu), whose predicate differs between devices: a psum over data there never
+        # completes (some devices of its group take the other branch). Adding 0.0 changes no value, and XLA
+        # folds the add away. (The all-to-all rounds' cond is safe: its predicate is pmax'd over all groups.)
+        x_tD, w_tK, gate_eDf, up_eDf, down_efD = _vary_all(x_tD, w_tK, gate_eDf, up_eDf, down_efD)
         ex = (gate_eDf, up_eDf, down_efD)
         if mode == "gather":
             y_tD = _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile)
@@ -183,6 +190,12 @@ def _sorted_tiled_swiglu(x_MD, e_sorted_M, sizes_e, gate_eDF, up_eDF, down_eFD, 
     _, y_tiles = jax.lax.scan(body, None, (jnp.arange(n_tiles), tile_expert, x_pad_PD.reshape(n_tiles, tile, D)))
     y_PD = jnp.concatenate([y_tiles.reshape(n_tiles * tile, D), jnp.zeros((1, D), x_MD.dtype)])
     return y_PD[dest_M]
+
+
+def _vary_all(*arrays):
+    """The arrays, each plus a zero that varies over the manual mesh axes of all of them."""
+    z = _zeros((), jnp.float32, *arrays)
+    return tuple(a + z.astype(a.dtype) for a in arrays)
 
 
 def _zeros(shape, dtype, *like):

@@ -181,3 +181,46 @@ def test_param_shardings_and_init_inside_use_mesh():
         params = init_params(TINY)
     assert jax.tree.map(lambda s: s.spec, inside) == jax.tree.map(lambda s: s.spec, outside)
     assert jax.tree.structure(params) == jax.tree.structure(outside)
+
+
+COLLECTIVES = ("psum", "pmax", "pmin", "all_gather", "reduce_scatter", "ppermute", "all_to_all")
+
+
+def collectives_under_cond(jaxpr, under=False, found=None) -> set:
+    """Names of the collectives that run inside a lax.cond branch anywhere in `jaxpr` (a jax.make_jaxpr
+    result). A collective there completes only if every device of its group takes the same branch."""
+    found = set() if found is None else found
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        if under and eqn.primitive.name.startswith(COLLECTIVES):
+            found.add(eqn.primitive.name)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    collectives_under_cond(sub, under or eqn.primitive.name == "cond", found)
+    return found
+
+
+@pytest.mark.parametrize("spec", ["data=2,expert=4", "data=2,expert=2,tensor=2"])
+@pytest.mark.parametrize("mode, capacity", [("all_to_all", 0.3), ("gather", 1.25)])
+def test_exchange_gradients_with_a_data_axis(spec, mode, capacity):
+    """Gradients through both exchanges when tokens are split over data too: the experts' weight gradients
+    are summed over data, a psum that used to run inside the tile loop's per-device cond and never complete
+    on XLA:CPU (the process aborts). Checked statically first, so a regression fails here instead: the only
+    collectives under a cond are the all-to-all rounds (their predicate is pmax'd over all token groups)."""
+    T, E, K, D, F = 48, 16, 4, 24, 20
+    key = jax.random.PRNGKey(0)
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, skew=3.0)
+
+    def loss(fn):
+        return lambda x, wt, w: jnp.sum(jnp.sin(fn(x, idx, wt, *w)))
+
+    reference = jax.grad(loss(moe_dense), argnums=(0, 1, 2))(x, wt, w)
+    sharded = jax.grad(loss(lambda *a: moe_expert_parallel(*a, mode=mode, tile=4, capacity_factor=capacity)),
+                       argnums=(0, 1, 2))
+    with use_mesh(make_mesh(spec)):
+        assert collectives_under_cond(jax.make_jaxpr(sharded)(x, wt, w)) <= {"all_to_all"}
+        got = jax.jit(sharded)(x, wt, w)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
