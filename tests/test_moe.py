@@ -25,10 +25,12 @@ def routing(key, T, E, K, skew=0.0):
     return idx.astype(jnp.int32), w
 
 
-@pytest.mark.parametrize("impl", ["tiled", "ragged"])
+@pytest.mark.parametrize("impl, capacity", [("tiled", None), ("tiled", 0), ("tiled", 2), ("ragged", None)])
 @pytest.mark.parametrize("T, E, K, tile, skew", [
     (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0)])
-def test_grouped_equals_dense(impl, T, E, K, tile, skew):
+def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
+    # capacity None: sized for the load (the batched matmul does it all, a hot expert overflows into tiles);
+    # 0: every row through the tile loop; 2: most rows overflow.
     key = jax.random.PRNGKey(T * E + K)
     D, F = 24, 20
     w = experts(key, E, D, F)
@@ -38,7 +40,7 @@ def test_grouped_equals_dense(impl, T, E, K, tile, skew):
         counts = np.bincount(np.asarray(idx).ravel(), minlength=E)
         assert counts[0] == T and (counts == 0).sum() >= E // 2 - K  # uneven: some empty, one full
     ref = moe_dense(x, idx, wt, *w)
-    got = jax.jit(lambda *a: moe_grouped(*a, impl=impl, tile=tile))(x, idx, wt, *w)
+    got = jax.jit(lambda *a: moe_grouped(*a, impl=impl, tile=tile, capacity=capacity))(x, idx, wt, *w)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -53,9 +55,11 @@ def test_grouped_gradients_equal_dense():
         return jnp.sum(jnp.sin(fn(x, idx, wt, *w)))
 
     g_ref = jax.grad(lambda *a: loss(moe_dense, *a), argnums=(0, 1, 2))(x, wt, w)
-    g_got = jax.grad(lambda *a: loss(lambda *b: moe_grouped(*b, tile=8), *a), argnums=(0, 1, 2))(x, wt, w)
-    for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_ref)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    for capacity in (None, 0, 3):  # batched matmul and tiles together, tiles only, mostly tiles
+        g_got = jax.grad(lambda *a: loss(lambda *b: moe_grouped(*b, tile=8, capacity=capacity), *a),
+                         argnums=(0, 1, 2))(x, wt, w)
+        for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_ref)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_grouped_close_to_dense():

@@ -15,7 +15,7 @@ from k2jax.nn.norm import RMSNorm
 class DecoderBlock(nn.Module):
     """(x [B, T, D], positions [B, T], mask) -> (x [B, T, D], kv); the pair form suits nn.scan.
 
-    `mode`, `mask`, `cache`, `index` and kv as in MLA: kv is None in "full" mode, the new latents in
+    `mode`, `mask`, `cache`, `index` and kv as in MLA: kv is None in "full" and "causal" modes, the new latents in
     "prefill", the updated layer cache in "decode".
     """
 
@@ -31,7 +31,7 @@ class DecoderBlock(nn.Module):
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
         attn = MLA(cfg, dt, self.mode, name="self_attn")(h_BTD, positions_BT, mask, cache, index)
-        attn_BTD, kv = (attn, None) if self.mode == "full" else attn
+        attn_BTD, kv = (attn, None) if self.mode in ("full", "causal") else attn
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)
         if self.moe:

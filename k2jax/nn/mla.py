@@ -16,7 +16,7 @@ from k2jax.nn.common import einsum, param
 from k2jax.nn.norm import RMSNorm
 from k2jax.nn.rope import apply_rope
 
-MODES = ("full", "prefill", "decode", "decode_expanded")
+MODES = ("full", "causal", "prefill", "decode", "decode_expanded")
 
 _NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
 
@@ -25,6 +25,8 @@ class MLA(nn.Module):
     """x [B, T, D], positions [B, T] -> [B, T, D]; what else goes in and out depends on `mode`:
 
     - "full": mask [B, T, T] (True = may attend); expanded attention (the plain reference) -> out.
+    - "causal": mask = kv_valid [B, T] (causal implied); blocked expanded attention, which skips the tiles
+      above the diagonal (k2jax.inference.attention) -> out. What K2Model's forward runs.
     - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.inference.attention)
       -> (out, {"ckv": [B, T, R], "k_pe": [B, T, P]}), the latents to cache.
     - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]}, the T tokens' latents are written at cache slots
@@ -68,6 +70,8 @@ class MLA(nn.Module):
         attn = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask, cfg.softmax_scale)
         if self.mode == "full":
             return einsum("BTNV,NVD->BTD", attend_expanded(*attn), w_o_NVD)
+        if self.mode == "causal":
+            return einsum("BTNV,NVD->BTD", attend_blocked(*attn), w_o_NVD)
         if self.mode == "prefill":
             out_BTNV, kv = attend_blocked(*attn), {"ckv": ckv_BSR, "k_pe": k_pe_BSP}
         elif self.mode in ("decode", "decode_expanded"):

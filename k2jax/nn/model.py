@@ -16,7 +16,7 @@ class K2Model(nn.Module):
     """tokens [B, T] int32 -> logits [B, T, V] float32.
 
     positions [B, T] default to 0..T-1; attention_mask [B, S] (1 = real token) is combined with the causal
-    mask. Computation runs in `param_dtype`; norms, softmax and the router in float32.
+    mask. Attention is blocked (tiles above the diagonal skipped); `reference` is the plain form. Computation runs in `param_dtype`; norms, softmax and the router in float32.
 
     `prefill` and `decode` run the same params with a latent KV cache (k2jax.inference generates with them).
     """
@@ -27,6 +27,14 @@ class K2Model(nn.Module):
     remat: str = "none"  # per block, one of REMAT_POLICIES: trades the backward pass's memory for compute
 
     def __call__(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
+        B, T = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        kv_valid_BT = jnp.ones((B, T), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
+        return self.forward(tokens_BT, positions_BT, kv_valid_BT, mode="causal")[0]
+
+    def reference(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
+        """The same logits through the plain attention (the whole [T, T] mask and score matrix)."""
         B, T = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

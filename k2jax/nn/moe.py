@@ -115,7 +115,8 @@ class MoE(nn.Module):
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
     impl: str = "auto"  # one of MOE_IMPLS
-    tile: int = 64  # rows per tile of the CPU grouped path
+    tile: int | None = None  # CPU grouped path: rows per overflow tile (None: by shape; see grouped_swiglu)
+    capacity: int | None = None  # CPU grouped path: rows per expert in the batched matmul (None: by shape)
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -132,9 +133,9 @@ class MoE(nn.Module):
         elif impl in ("tiled", "ragged") and jax.sharding.get_abstract_mesh().size > 1:
             from k2jax.expert_parallel import moe_expert_parallel  # under a mesh (k2jax.sharding.use_mesh)
 
-            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile)
+            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
         elif impl in ("tiled", "ragged"):
-            y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile)
+            y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity)
         else:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
         y_BTD = y_TD.reshape(B, T, D)
@@ -144,10 +145,11 @@ class MoE(nn.Module):
 
 
 def _swiglu(x, gate, up, down):
+    """x [..., C, D] with weights [..., D, F], [..., F, D] (the same leading batch axes, e.g. experts)."""
     f32 = jnp.float32
-    g = jnp.einsum("...D,...DF->...F", x, gate, preferred_element_type=f32).astype(x.dtype)
-    u = jnp.einsum("...D,...DF->...F", x, up, preferred_element_type=f32).astype(x.dtype)
-    return jnp.einsum("...F,...FD->...D", jax.nn.silu(g) * u, down, preferred_element_type=f32).astype(x.dtype)
+    g = jnp.einsum("...CD,...DF->...CF", x, gate, preferred_element_type=f32).astype(x.dtype)
+    u = jnp.einsum("...CD,...DF->...CF", x, up, preferred_element_type=f32).astype(x.dtype)
+    return jnp.einsum("...CF,...FD->...CD", jax.nn.silu(g) * u, down, preferred_element_type=f32).astype(x.dtype)
 
 
 def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
@@ -160,19 +162,22 @@ def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
     return jnp.einsum("ETD,TE->TD", y_ETD.astype(jnp.float32), combine_TE).astype(x_TD.dtype)
 
 
-def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=64):
-    """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense."""
+def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=None, capacity=None):
+    """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense.
+
+    tile, capacity: the CPU path's static sizes (see grouped_swiglu); None picks them from the shapes.
+    """
     T, K = idx_TK.shape
-    E = gate_EDF.shape[0]
     x_TD = x_TD.astype(gate_EDF.dtype)
+    rows_M = jnp.repeat(jnp.arange(T, dtype=jnp.int32), K)
     flat_M = idx_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)  # sorted slot -> assignment
-    sizes_E = jnp.bincount(flat_M, length=E)
     if impl == "ragged":
-        y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
+        order_M = jnp.argsort(flat_M, stable=True)
+        sizes_E = jnp.bincount(flat_M, length=gate_EDF.shape[0])
+        y_sorted_MD = _ragged_swiglu(x_TD[rows_M[order_M]], sizes_E, gate_EDF, up_EDF, down_EFD)
         y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
     else:
-        y_MD = _tiled_swiglu(x_TD, flat_M, order_M, sizes_E, gate_EDF, up_EDF, down_EFD, tile, K)
+        y_MD = grouped_swiglu(x_TD, rows_M, flat_M, gate_EDF, up_EDF, down_EFD, tile=tile, capacity=capacity)
     y_TKD = y_MD.reshape(T, K, -1).astype(jnp.float32)
     return jnp.einsum("TKD,TK->TD", y_TKD, weight_TK).astype(x_TD.dtype)
 
@@ -185,59 +190,111 @@ def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
     return jax.lax.ragged_dot(h, down_EFD, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
 
 
-def _tiled_swiglu(x_TD, flat_M, order_M, sizes_E, gate_EDF, up_EDF, down_EFD, tile, K):
-    """Each expert's rows start at a multiple of `tile`, so every tile belongs to one expert."""
-    M, D = flat_M.shape[0], x_TD.shape[1]
-    E = sizes_E.shape[0]
-    # At most min(E, M) experts are non-empty, each wasting < tile rows: a static bound on padded rows.
-    n_tiles = -(-(M + min(E, M) * (tile - 1)) // tile)
-    padded_E = -(-sizes_E // tile) * tile
+def default_sizes(M: int, E: int) -> tuple[int, int]:
+    """(capacity, tile) for M assignments over E experts, both static.
+
+    Enough capacity that a roughly balanced batch never overflows (mean + 2 standard deviations of a
+    binomial load, rounded up to 8 rows), so the batched matmul does nearly all the work. Below one
+    assignment per two experts (decode) the batched matmul would read every expert's weights for a few rows;
+    then capacity is 0 and each assignment is a one-row tile that reads only its own expert.
+    """
+    mean = M / E
+    if mean < 0.5:
+        return 0, 1
+    return 8 * -(-int(mean + 2 * mean**0.5 + 1) // 8), 8
+
+
+def grouped_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None):
+    """y[m] = SwiGLU_{experts[m]}(x[rows[m]]) for M (row, expert) assignments; experts[m] == E (no expert)
+    gives zeros. x [T, D], rows/experts [M] int -> y [M, D] in x's dtype. For XLA:CPU, which has no grouped
+    matmul kernel:
+
+    - Each expert's first `capacity` rows go to an [E, C, D] buffer and one batched matmul per projection
+      runs all experts at once, reading the stacked weights in place.
+    - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
+      rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert.
+      Its trip count is the number of such tiles, usually 0.
+    """
+    T, D = x_TD.shape
+    M, E = experts_M.shape[0], gate_EDF.shape[0]
+    auto_c, auto_t = default_sizes(M, E)
+    C = auto_c if capacity is None else capacity
+    tile = auto_t if tile is None else tile
+    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
+
+    order_M = jnp.argsort(experts_M, stable=True)  # sorted position -> assignment
+    e_sorted_M = experts_M[order_M]
+    ec_sorted_M = jnp.minimum(e_sorted_M, E - 1)
+    sizes_E = jnp.bincount(experts_M, length=E + 1)[:E]
+    rank_sorted_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[ec_sorted_M]
+    valid_sorted_M = e_sorted_M < E
+    src_sorted_M = rows_M[order_M].astype(jnp.int32)
+
+    # Capacity part: slot e*C + rank, or E*C (a zero row) for rows past capacity or without an expert.
+    in_cap_M = valid_sorted_M & (rank_sorted_M < C)
+    slot_sorted_M = jnp.where(in_cap_M, ec_sorted_M * C + rank_sorted_M, E * C)
+    if C:
+        src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(src_sorted_M)[:E * C]
+        y_ECD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD)
+        y_cap = jnp.concatenate([y_ECD.reshape(E * C, D), jnp.zeros((1, D), x_TD.dtype)])
+    else:
+        y_cap = jnp.zeros((1, D), x_TD.dtype)
+        slot_sorted_M = jnp.zeros_like(slot_sorted_M)
+    inv_M = jnp.zeros(M, jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
+    y_MD = y_cap[slot_sorted_M[inv_M]]
+
+    # Overflow part: at most M - C rows, over at most min(E, M // (C + 1)) experts (static bound on tiles).
+    over_rows = M - C if C else M
+    over_experts = min(E, M // (C + 1))
+    if over_rows <= 0 or over_experts == 0:
+        return y_MD
+    n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
+    over_E = jnp.maximum(sizes_E - C, 0)
+    padded_E = -(-over_E // tile) * tile
     pad_end_E = jnp.cumsum(padded_E)
-    e_sorted_M = flat_M[order_M]
-    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_M]
-    dest_sorted_M = (pad_end_E - padded_E)[e_sorted_M] + rank_M
-    dest_M = jnp.zeros(M, jnp.int32).at[order_M].set(dest_sorted_M.astype(jnp.int32))
-    # Padded row -> source token (T = an appended zero row for padding).
-    src_P = jnp.full(n_tiles * tile, x_TD.shape[0], jnp.int32).at[dest_sorted_M].set(
-        (order_M // K).astype(jnp.int32))
-    x_pad_PD = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])[src_P]
+    is_over_M = valid_sorted_M & ~in_cap_M
+    pos_sorted_M = jnp.where(is_over_M, (pad_end_E - padded_E)[ec_sorted_M] + rank_sorted_M - C, n_tiles * tile)
+    src_P = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(src_sorted_M, mode="drop")
+    dst_P = jnp.full(n_tiles * tile, M, jnp.int32).at[pos_sorted_M].set(order_M.astype(jnp.int32), mode="drop")
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
     n_active = pad_end_E[-1] // tile
-
-    y_tiles = _tile_loop(x_pad_PD.reshape(n_tiles, tile, D), tile_expert, n_active, gate_EDF, up_EDF, down_EFD)
-    return y_tiles.reshape(n_tiles * tile, D)[dest_M]
+    y_ext = jnp.concatenate([y_MD, jnp.zeros((1, D), y_MD.dtype)])
+    y_ext = _tile_loop(x_ext, y_ext, src_P.reshape(n_tiles, tile), dst_P.reshape(n_tiles, tile), tile_expert,
+                       n_active, gate_EDF, up_EDF, down_EFD)
+    return y_ext[:M]
 
 
 @jax.custom_vjp
-def _tile_loop(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    """y[j] = SwiGLU(x[j]) with tile j's expert, for the first n_active tiles (zeros after); x [n, C, D].
+def _tile_loop(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    """y_ext[dst[j]] += SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each).
 
-    A while loop visits only the active tiles. Its own backward pass (below) adds each tile's weight
-    gradient into its expert's slot: differentiating the loop directly would add a zero-padded gradient
-    of all experts' weights on every tile.
+    A while loop visits only the active tiles and gathers/scatters their rows itself, so nothing sized by
+    the static tile bound is materialised. Its own backward pass (below) adds each tile's weight gradient
+    into its expert's slot: differentiating the loop directly would add a zero-padded gradient of all
+    experts' weights on every tile.
     """
-    def body(j, y_nCD):
+    def body(j, y):
         e = expert_n[j]
-        return y_nCD.at[j].set(_swiglu(x_nCD[j], gate_EDF[e], up_EDF[e], down_EFD[e]))
+        return y.at[dst_nC[j]].add(_swiglu(x_ext[src_nC[j]], gate_EDF[e], up_EDF[e], down_EFD[e]))
 
-    return jax.lax.fori_loop(0, n_active, body, jnp.zeros_like(x_nCD))
-
-
-def _tile_loop_fwd(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    return _tile_loop(x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD), (
-        x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+    return jax.lax.fori_loop(0, n_active, body, y_ext)
 
 
-def _tile_loop_bwd(res, dy_nCD):
-    x_nCD, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
-    f32, dt = jnp.float32, x_nCD.dtype
+def _tile_loop_fwd(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    out = _tile_loop(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+    return out, (x_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+
+
+def _tile_loop_bwd(res, dy_ext):
+    x_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
+    f32, dt = jnp.float32, x_ext.dtype
 
     def mm(eq, a, b):
         return jnp.einsum(eq, a, b, preferred_element_type=f32)
 
     def body(j, carry):
-        dx_nCD, dgate, dup, ddown = carry
-        e, x_CD, dy_CD = expert_n[j], x_nCD[j], dy_nCD[j].astype(dt)
+        dx_ext, dgate, dup, ddown = carry
+        e, x_CD, dy_CD = expert_n[j], x_ext[src_nC[j]], dy_ext[dst_nC[j]].astype(dt)
         gate_DF, up_DF, down_FD = gate_EDF[e], up_EDF[e], down_EFD[e]
         # Recompute the forward in the same dtypes as _swiglu.
         g_CF = mm("CD,DF->CF", x_CD, gate_DF).astype(dt).astype(f32)
@@ -248,15 +305,15 @@ def _tile_loop_bwd(res, dy_nCD):
         dg_CF = (dh_CF * u_CF * sig_CF * (1 + g_CF * (1 - sig_CF))).astype(dt)
         du_CF = (dh_CF * g_CF * sig_CF).astype(dt)
         dx_CD = mm("CF,DF->CD", dg_CF, gate_DF) + mm("CF,DF->CD", du_CF, up_DF)
-        return (dx_nCD.at[j].set(dx_CD.astype(dt)),
+        return (dx_ext.at[src_nC[j]].add(dx_CD.astype(dt)),
                 dgate.at[e].add(mm("CD,CF->DF", x_CD, dg_CF)),
                 dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)),
                 ddown.at[e].add(mm("CF,CD->FD", h_CF.astype(dt), dy_CD)))
 
-    init = (jnp.zeros_like(x_nCD), jnp.zeros(gate_EDF.shape, f32), jnp.zeros(up_EDF.shape, f32),
+    init = (jnp.zeros_like(x_ext), jnp.zeros(gate_EDF.shape, f32), jnp.zeros(up_EDF.shape, f32),
             jnp.zeros(down_EFD.shape, f32))
-    dx_nCD, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
-    return (dx_nCD, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
+    dx_ext, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
+    return (dx_ext, dy_ext, None, None, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
             ddown.astype(down_EFD.dtype))
 
 
