@@ -27,9 +27,11 @@ def routing(key, T, E, K, skew=0.0):
 
 @pytest.mark.parametrize("impl, capacity", [("tiled", None), ("tiled", 0), ("tiled", 2), ("ragged", None)])
 @pytest.mark.parametrize("T, E, K, tile, skew", [
-    (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0)])
+    (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0),
+    (2, 64, 8, 8, 0.0)])  # the last: decode-sized, gathered weights when capacity is None
 def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
-    # capacity None: sized for the load (the batched matmul does it all, a hot expert overflows into tiles);
+    # capacity None: sized for the load (the batched matmul does it all, a hot expert overflows into tiles;
+    # or gathered weights for decode-sized batches);
     # 0: every row through the tile loop; 2: most rows overflow.
     key = jax.random.PRNGKey(T * E + K)
     D, F = 24, 20
@@ -44,9 +46,13 @@ def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_grouped_gradients_equal_dense():
+@pytest.mark.parametrize("T, E, capacities", [
+    (29, 8, (None, 0, 3)),  # batched matmul and tiles together, tiles only, mostly tiles
+    (2, 32, (None,)),  # decode-sized: gathered weights
+])
+def test_grouped_gradients_equal_dense(T, E, capacities):
     key = jax.random.PRNGKey(0)
-    T, E, K, D, F = 29, 8, 3, 16, 12
+    K, D, F = 3, 16, 12
     w = experts(key, E, D, F)
     x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
     idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, 3.0)
@@ -55,7 +61,7 @@ def test_grouped_gradients_equal_dense():
         return jnp.sum(jnp.sin(fn(x, idx, wt, *w)))
 
     g_ref = jax.grad(lambda *a: loss(moe_dense, *a), argnums=(0, 1, 2))(x, wt, w)
-    for capacity in (None, 0, 3):  # batched matmul and tiles together, tiles only, mostly tiles
+    for capacity in capacities:
         g_got = jax.grad(lambda *a: loss(lambda *b: moe_grouped(*b, tile=8, capacity=capacity), *a),
                          argnums=(0, 1, 2))(x, wt, w)
         for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_ref)):

@@ -191,17 +191,21 @@ def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
 
 
 def default_sizes(M: int, E: int) -> tuple[int, int]:
-    """(capacity, tile) for M assignments over E experts, both static.
-
-    Enough capacity that a roughly balanced batch never overflows (mean + 2 standard deviations of a
-    binomial load, rounded up to 8 rows), so the batched matmul does nearly all the work. Below one
-    assignment per two experts (decode) the batched matmul would read every expert's weights for a few rows;
-    then capacity is 0 and each assignment is a one-row tile that reads only its own expert.
-    """
+    """(capacity, tile) for M assignments over E experts, both static: enough capacity that a roughly
+    balanced batch never overflows (mean + 2 standard deviations of a binomial load, rounded up to 8 rows),
+    so the batched matmul does nearly all the work, and small overflow tiles."""
     mean = M / E
-    if mean < 0.5:
-        return 0, 1
-    return 8 * -(-int(mean + 2 * mean**0.5 + 1) // 8), 8
+    return 8 * -(-int(mean + 2 * mean**0.5) // 8), 8
+
+
+def gathered_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD):
+    """grouped_swiglu for a few assignments (decode): each one's expert weights are gathered and applied
+    to its row, so only the chosen experts are read. x [T, D], rows/experts [M] -> y [M, D]."""
+    E = gate_EDF.shape[0]
+    valid_M = experts_M < E
+    e_M = jnp.minimum(experts_M, E - 1)
+    y_MD = _swiglu(x_TD[rows_M][:, None], gate_EDF[e_M], up_EDF[e_M], down_EFD[e_M])[:, 0]
+    return jnp.where(valid_M[:, None], y_MD, 0)
 
 
 def grouped_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None):
@@ -214,9 +218,14 @@ def grouped_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD, *, capac
     - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
       rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert.
       Its trip count is the number of such tiles, usually 0.
+    - With under one assignment per four experts (decode) and capacity left to None, gathered_swiglu: the
+      batched matmul would read every expert for a few rows, and on XLA:CPU taking a layer's expert stack
+      out of the scanned params for a matmul copies all of it, where a gather reads only the rows it needs.
     """
     T, D = x_TD.shape
     M, E = experts_M.shape[0], gate_EDF.shape[0]
+    if capacity is None and 4 * M <= E:
+        return gathered_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD)
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile
