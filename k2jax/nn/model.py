@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from k2jax.config import K2Config
 from k2jax.nn.block import DecoderBlock
-from k2jax.nn.common import param
+from k2jax.nn.common import einsum, param
 from k2jax.nn.norm import RMSNorm
 
 
@@ -81,7 +81,7 @@ class K2Model(nn.Module):
             head_DV = embed_VD.T
         else:
             head_DV = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
-        return jnp.einsum("BTD,DV->BTV", x_BTD, head_DV, preferred_element_type=jnp.float32), kv
+        return einsum("BTD,DV->BTV", x_BTD, head_DV, jnp.float32), kv
 
 
 # What a block keeps from its forward pass for the backward pass: everything ("none": no remat), only its

@@ -115,7 +115,7 @@ class MoE(nn.Module):
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
     impl: str = "auto"  # one of MOE_IMPLS
-    tile: int | None = None  # CPU grouped path: rows per overflow tile (None: by shape; see grouped_swiglu)
+    tile: int | None = None  # CPU grouped path: rows per overflow tile (None: by shape; see grouped_moe)
     capacity: int | None = None  # CPU grouped path: rows per expert in the batched matmul (None: by shape)
 
     @nn.compact
@@ -165,21 +165,23 @@ def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
 def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=None, capacity=None):
     """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense.
 
-    tile, capacity: the CPU path's static sizes (see grouped_swiglu); None picks them from the shapes.
+    tile, capacity: the CPU path's static sizes (see grouped_moe); None picks them from the shapes.
     """
     T, K = idx_TK.shape
     x_TD = x_TD.astype(gate_EDF.dtype)
-    rows_M = jnp.repeat(jnp.arange(T, dtype=jnp.int32), K)
+    if impl != "ragged":
+        return grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, tile=tile, capacity=capacity)
     flat_M = idx_TK.reshape(-1)
-    if impl == "ragged":
-        order_M = jnp.argsort(flat_M, stable=True)
-        sizes_E = jnp.bincount(flat_M, length=gate_EDF.shape[0])
-        y_sorted_MD = _ragged_swiglu(x_TD[rows_M[order_M]], sizes_E, gate_EDF, up_EDF, down_EFD)
-        y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    else:
-        y_MD = grouped_swiglu(x_TD, rows_M, flat_M, gate_EDF, up_EDF, down_EFD, tile=tile, capacity=capacity)
-    y_TKD = y_MD.reshape(T, K, -1).astype(jnp.float32)
-    return jnp.einsum("TKD,TK->TD", y_TKD, weight_TK).astype(x_TD.dtype)
+    order_M = jnp.argsort(flat_M, stable=True)
+    sizes_E = jnp.bincount(flat_M, length=gate_EDF.shape[0])
+    y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
+    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
+    return _combine(y_MD.reshape(T, K, -1), weight_TK).astype(x_TD.dtype)
+
+
+def _combine(y_TKD, weight_TK):
+    """Σ_k w_k y_k in float32 -> [T, D]."""
+    return (y_TKD.astype(jnp.float32) * weight_TK[..., None]).sum(1)
 
 
 def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
@@ -198,84 +200,90 @@ def default_sizes(M: int, E: int) -> tuple[int, int]:
     return 8 * -(-int(mean + 2 * mean**0.5) // 8), 8
 
 
-def gathered_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD):
-    """grouped_swiglu for a few assignments (decode): each one's expert weights are gathered and applied
-    to its row, so only the chosen experts are read. x [T, D], rows/experts [M] -> y [M, D]."""
-    E = gate_EDF.shape[0]
-    valid_M = experts_M < E
-    e_M = jnp.minimum(experts_M, E - 1)
-    y_MD = _swiglu(x_TD[rows_M][:, None], gate_EDF[e_M], up_EDF[e_M], down_EFD[e_M])[:, 0]
-    return jnp.where(valid_M[:, None], y_MD, 0)
-
-
-def grouped_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None):
-    """y[m] = SwiGLU_{experts[m]}(x[rows[m]]) for M (row, expert) assignments; experts[m] == E (no expert)
-    gives zeros. x [T, D], rows/experts [M] int -> y [M, D] in x's dtype. For XLA:CPU, which has no grouped
-    matmul kernel:
+def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None):
+    """Σ_k w_k · SwiGLU_{idx_k}(x) for XLA:CPU, which has no grouped matmul kernel. x [T, D], idx/weight
+    [T, K] -> [T, D] in x's dtype.
 
     - Each expert's first `capacity` rows go to an [E, C, D] buffer and one batched matmul per projection
-      runs all experts at once, reading the stacked weights in place.
+      runs all experts at once, reading the stacked weights in place. The outputs are gathered back per
+      token, weighted and summed in one pass.
     - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
-      rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert.
-      Its trip count is the number of such tiles, usually 0.
-    - With under one assignment per four experts (decode) and capacity left to None, gathered_swiglu: the
-      batched matmul would read every expert for a few rows, and on XLA:CPU taking a layer's expert stack
-      out of the scanned params for a matmul copies all of it, where a gather reads only the rows it needs.
+      rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert,
+      added into its tokens' outputs. Its trip count is the number of such tiles, usually 0.
+    - With under one assignment per four experts (decode) and capacity left to None, each assignment's
+      expert weights are gathered instead: the batched matmul would read every expert for a few rows, and
+      on XLA:CPU taking a layer's expert stack out of the scanned params for a matmul copies all of it,
+      where a gather reads only the rows it needs.
     """
     T, D = x_TD.shape
-    M, E = experts_M.shape[0], gate_EDF.shape[0]
+    K, E = idx_TK.shape[1], gate_EDF.shape[0]
+    M = T * K
+    dt = x_TD.dtype
     if capacity is None and 4 * M <= E:
-        return gathered_swiglu(x_TD, rows_M, experts_M, gate_EDF, up_EDF, down_EFD)
+        return _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile
-    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
+    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), dt)])  # row T: zeros, for empty slots
 
-    order_M = jnp.argsort(experts_M, stable=True)  # sorted position -> assignment
-    e_sorted_M = experts_M[order_M]
-    ec_sorted_M = jnp.minimum(e_sorted_M, E - 1)
-    sizes_E = jnp.bincount(experts_M, length=E + 1)[:E]
-    rank_sorted_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[ec_sorted_M]
-    valid_sorted_M = e_sorted_M < E
-    src_sorted_M = rows_M[order_M].astype(jnp.int32)
+    flat_M = idx_TK.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> assignment
+    e_sorted_M = flat_M[order_M]
+    sizes_E = jnp.bincount(flat_M, length=E)
+    rank_sorted_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_M]
+    tok_sorted_M = (order_M // K).astype(jnp.int32)
 
-    # Capacity part: slot e*C + rank, or E*C (a zero row) for rows past capacity or without an expert.
-    in_cap_M = valid_sorted_M & (rank_sorted_M < C)
-    slot_sorted_M = jnp.where(in_cap_M, ec_sorted_M * C + rank_sorted_M, E * C)
+    # Capacity part: slot e*C + rank; rows past capacity get slot E*C and take no part.
+    in_cap_M = rank_sorted_M < C
+    slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
+    y_TD = jnp.zeros((T, D), jnp.float32)
     if C:
-        src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(src_sorted_M)[:E * C]
-        y_ECD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD)
-        y_cap = jnp.concatenate([y_ECD.reshape(E * C, D), jnp.zeros((1, D), x_TD.dtype)])
-    else:
-        y_cap = jnp.zeros((1, D), x_TD.dtype)
-        slot_sorted_M = jnp.zeros_like(slot_sorted_M)
-    inv_M = jnp.zeros(M, jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
-    y_MD = y_cap[slot_sorted_M[inv_M]]
+        src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C]
+        y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
+        slot_TK = jnp.zeros(M, jnp.int32).at[order_M].set(slot_sorted_M.astype(jnp.int32)).reshape(T, K)
+        # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
+        got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
+        y_TD = _combine(got_TKD, weight_TK)
 
     # Overflow part: at most M - C rows, over at most min(E, M // (C + 1)) experts (static bound on tiles).
     over_rows = M - C if C else M
     over_experts = min(E, M // (C + 1))
     if over_rows <= 0 or over_experts == 0:
-        return y_MD
+        return y_TD.astype(dt)
     n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
-    over_E = jnp.maximum(sizes_E - C, 0)
-    padded_E = -(-over_E // tile) * tile
+    padded_E = -(-jnp.maximum(sizes_E - C, 0) // tile) * tile
     pad_end_E = jnp.cumsum(padded_E)
-    is_over_M = valid_sorted_M & ~in_cap_M
-    pos_sorted_M = jnp.where(is_over_M, (pad_end_E - padded_E)[ec_sorted_M] + rank_sorted_M - C, n_tiles * tile)
-    src_P = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(src_sorted_M, mode="drop")
-    dst_P = jnp.full(n_tiles * tile, M, jnp.int32).at[pos_sorted_M].set(order_M.astype(jnp.int32), mode="drop")
+    pos_sorted_M = jnp.where(in_cap_M, n_tiles * tile, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C)
+    src_P = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(tok_sorted_M, mode="drop")
+    w_P = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
+        weight_TK.reshape(-1)[order_M], mode="drop")
     tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
     n_active = pad_end_E[-1] // tile
-    y_ext = jnp.concatenate([y_MD, jnp.zeros((1, D), y_MD.dtype)])
-    y_ext = _tile_loop(x_ext, y_ext, src_P.reshape(n_tiles, tile), dst_P.reshape(n_tiles, tile), tile_expert,
+    y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
+    y_ext = _tile_loop(x_ext, y_ext, src_P.reshape(n_tiles, tile), w_P.reshape(n_tiles, tile), tile_expert,
                        n_active, gate_EDF, up_EDF, down_EFD)
-    return y_ext[:M]
+    return y_ext[:T].astype(dt)
+
+
+def _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
+    """Decode-sized grouped_moe: each token's K experts' weights gathered (only those are read), the router
+    weights scaling the hidden units so that the down projection also sums the experts. Rows are padded to 4
+    (R): with fewer, XLA:CPU converts the weights to float32 before multiplying."""
+    T, D = x_TD.shape
+    K = idx_TK.shape[1]
+    f32, dt = jnp.float32, x_TD.dtype
+    x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, 3), (0, 0)]), (T, K, 4, D))
+    g_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, gate_EDF[idx_TK], preferred_element_type=f32).astype(dt)
+    u_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, up_EDF[idx_TK], preferred_element_type=f32).astype(dt)
+    h_TKRF = ((jax.nn.silu(g_TKRF) * u_TKRF).astype(f32) * weight_TK[:, :, None, None]).astype(dt)
+    y_TRD = jnp.einsum("TKRF,TKFD->TRD", h_TKRF, down_EFD[idx_TK], preferred_element_type=f32)
+    return y_TRD[:, 0].astype(dt)
 
 
 @jax.custom_vjp
-def _tile_loop(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    """y_ext[dst[j]] += SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each).
+def _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    """y_ext[src[j]] += w[j] · SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each);
+    y float32.
 
     A while loop visits only the active tiles and gathers/scatters their rows itself, so nothing sized by
     the static tile bound is materialised. Its own backward pass (below) adds each tile's weight gradient
@@ -283,46 +291,51 @@ def _tile_loop(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_ED
     experts' weights on every tile.
     """
     def body(j, y):
-        e = expert_n[j]
-        return y.at[dst_nC[j]].add(_swiglu(x_ext[src_nC[j]], gate_EDF[e], up_EDF[e], down_EFD[e]))
+        e, src_C = expert_n[j], src_nC[j]
+        out_CD = _swiglu(x_ext[src_C], gate_EDF[e], up_EDF[e], down_EFD[e])
+        return y.at[src_C].add(out_CD.astype(jnp.float32) * w_nC[j][:, None])
 
     return jax.lax.fori_loop(0, n_active, body, y_ext)
 
 
-def _tile_loop_fwd(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    out = _tile_loop(x_ext, y_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
-    return out, (x_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
+    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+    return out, (x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
 
 
 def _tile_loop_bwd(res, dy_ext):
-    x_ext, src_nC, dst_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
+    x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
     f32, dt = jnp.float32, x_ext.dtype
 
     def mm(eq, a, b):
         return jnp.einsum(eq, a, b, preferred_element_type=f32)
 
     def body(j, carry):
-        dx_ext, dgate, dup, ddown = carry
-        e, x_CD, dy_CD = expert_n[j], x_ext[src_nC[j]], dy_ext[dst_nC[j]].astype(dt)
+        dx_ext, dw_nC, dgate, dup, ddown = carry
+        e, src_C = expert_n[j], src_nC[j]
+        x_CD, dy_CD = x_ext[src_C], dy_ext[src_C]
         gate_DF, up_DF, down_FD = gate_EDF[e], up_EDF[e], down_EFD[e]
         # Recompute the forward in the same dtypes as _swiglu.
         g_CF = mm("CD,DF->CF", x_CD, gate_DF).astype(dt).astype(f32)
         u_CF = mm("CD,DF->CF", x_CD, up_DF).astype(dt).astype(f32)
         sig_CF = jax.nn.sigmoid(g_CF)
-        h_CF = (g_CF * sig_CF).astype(dt).astype(f32) * u_CF
-        dh_CF = mm("CD,FD->CF", dy_CD, down_FD)
+        h_CF = ((g_CF * sig_CF).astype(dt).astype(f32) * u_CF).astype(dt)
+        out_CD = mm("CF,FD->CD", h_CF, down_FD).astype(dt).astype(f32)
+        dw_C = (dy_CD * out_CD).sum(-1)
+        dout_CD = (dy_CD * w_nC[j][:, None]).astype(dt)
+        dh_CF = mm("CD,FD->CF", dout_CD, down_FD)
         dg_CF = (dh_CF * u_CF * sig_CF * (1 + g_CF * (1 - sig_CF))).astype(dt)
         du_CF = (dh_CF * g_CF * sig_CF).astype(dt)
         dx_CD = mm("CF,DF->CD", dg_CF, gate_DF) + mm("CF,DF->CD", du_CF, up_DF)
-        return (dx_ext.at[src_nC[j]].add(dx_CD.astype(dt)),
+        return (dx_ext.at[src_C].add(dx_CD.astype(dt)), dw_nC.at[j].set(dw_C),
                 dgate.at[e].add(mm("CD,CF->DF", x_CD, dg_CF)),
                 dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)),
-                ddown.at[e].add(mm("CF,CD->FD", h_CF.astype(dt), dy_CD)))
+                ddown.at[e].add(mm("CF,CD->FD", h_CF, dout_CD)))
 
-    init = (jnp.zeros_like(x_ext), jnp.zeros(gate_EDF.shape, f32), jnp.zeros(up_EDF.shape, f32),
-            jnp.zeros(down_EFD.shape, f32))
-    dx_ext, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
-    return (dx_ext, dy_ext, None, None, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
+    init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC), jnp.zeros(gate_EDF.shape, f32),
+            jnp.zeros(up_EDF.shape, f32), jnp.zeros(down_EFD.shape, f32))
+    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
+    return (dx_ext, dy_ext, None, dw_nC, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
             ddown.astype(down_EFD.dtype))
 
 
