@@ -4,9 +4,11 @@ A synthetic FP8 checkpoint in the released layout (k2jax.testing; wide enough th
 all) is converted end to end by `tools/convert/convert.py` in a child process (its peak RSS from wait4), and
 copied with `cp -r`, both after dropping the source from the page cache (posix_fadvise DONTNEED) and both
 including the flush of what they wrote (sync). Prints source GB/s, the ratio to cp, peak RSS against the largest
-decoder block (converted), and the projected time for the 959 GB release on this disk.
+decoder block (converted), and the projected time for the 959 GB release on this disk. The converter moves its
+data with O_DIRECT (its default), cp through the page cache; --no-direct-io runs the converter that way too.
 
     python bench/convert.py [--dir /tmp/k2jax-bench-convert] [--layers 8] [--experts 64] [--dtype bfloat16]
+                            [--workers N] [--no-direct-io]
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float8"))
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--no-direct-io", action="store_true",
+                    help="pass --no-direct-io: the converter reads and writes through the page cache, as cp does")
     args = ap.parse_args()
 
     from k2jax import K2Config
@@ -95,7 +99,8 @@ def main() -> None:
     shutil.rmtree(copy)
     drop_cache(src)
     cmd = [sys.executable, str(REPO / "tools" / "convert" / "convert.py"), str(src), str(dst), "--quiet",
-           "--dtype", args.dtype] + (["--workers", str(args.workers)] if args.workers else [])
+           "--dtype", args.dtype] + (["--workers", str(args.workers)] if args.workers else []) + \
+        (["--no-direct-io"] if args.no_direct_io else [])
     t_cv, rss, cpu_cv = timed(cmd)
     out_bytes = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     shutil.rmtree(dst)

@@ -182,6 +182,74 @@ def test_layer_ranges_fill_one_checkpoint(src, dst_bf16, tmp_path):
     assert tree_bytes(d) == tree_bytes(dst_bf16)
 
 
+def test_page_cache_io_writes_the_same_files(src, dst_bf16, tmp_path):
+    """--no-direct-io (also what runs where the filesystem refuses O_DIRECT) writes the same bytes."""
+    d = tmp_path / "buffered"
+    assert main([str(src), str(d), "--quiet", "--no-direct-io"]) == 0
+    assert tree_bytes(d) == tree_bytes(dst_bf16)
+
+
+def test_big_tensors_convert_in_pieces(tmp_path, monkeypatch):
+    """A tensor above PIECE_BYTES goes in row ranges of whole chunks (and whole 128-row scale blocks), here
+    with tiny chunks and pieces: the same params as load_hf, for bf16 and float8."""
+    from k2jax.checkpoint import convert as C
+    from k2jax.checkpoint import orbax_io as O
+
+    cfg = CFG | dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=384, q_lora_rank=256,
+                     kv_lora_rank=128, vocab_size=320, num_hidden_layers=2)
+    s = write_release_checkpoint(cfg, tmp_path / "src", seed=3)
+    monkeypatch.setattr(O, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(C, "PIECE_BYTES", 1)
+    pieces = []
+    convert_rows = C._Converter._convert_rows
+    monkeypatch.setattr(C._Converter, "_convert_rows", lambda self, src, *a: pieces.append(src.target.name)
+                        or convert_rows(self, src, *a))
+    for dtype in ("bfloat16", "float8"):
+        assert convert(s, tmp_path / dtype, dtype=dtype, quiet=True).complete
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.experts.0.up_proj.weight"):
+        assert pieces.count(name) > 2, name  # > one piece per conversion
+    want = load_hf(s)[1]
+    assert_bit_equal(k2jax.load(tmp_path / "bfloat16")[1], want)
+    assert_bit_equal(k2jax.load(tmp_path / "float8")[1], want)
+
+
+def test_dequantize_transposed_is_numpys_dequantize():
+    """The converter's fast path (XLA decode by bits, strips, NaN count by lanes) = fp8.dequantize(...).T, bit
+    for bit: every e4m3 value, partial edge blocks, bf16 and f32."""
+    from k2jax.checkpoint import fp8
+
+    rng = np.random.default_rng(4)
+    for shape in [(160, 136), (256, 384), (37, 300)]:
+        u = rng.integers(0, 256, shape, dtype=np.uint8)
+        u.reshape(-1)[:256] = np.arange(256)  # NaN (0x7f, 0xff) included
+        w = u.view(fp8.FP8)
+        scale = np.exp(rng.uniform(-20, 5, fp8.scale_shape(shape))).astype(np.float32)
+        for dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            got, bad = fp8.dequantize_transposed(w, scale, (128, 128), dtype)
+            want = fp8.dequantize(w, scale, (128, 128), np.float32).astype(dtype).T
+            nan = np.isnan(want.astype(np.float32))
+            assert got.flags.c_contiguous and bad == nan.sum() > 0
+            np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+            bits = f"u{dtype.itemsize}"
+            np.testing.assert_array_equal(got.view(bits)[~nan], np.ascontiguousarray(want).view(bits)[~nan])
+
+
+def test_count_nonfinite_finds_each_one():
+    from k2jax.checkpoint import fp8
+
+    for dtype, bad_bits in ((fp8.FP8, [0x7F, 0xFF]), (np.dtype(jnp.bfloat16), [0x7F80, 0xFF80, 0x7FC0, 0xFFC1])):
+        bits = f"u{dtype.itemsize}"
+        x = np.zeros((1 << 20) + 13, bits)  # more than one piece, and a tail that is not whole lanes
+        x[:] = np.arange(x.size) % (0x7F if dtype == fp8.FP8 else 0x7F80)
+        assert fp8.count_nonfinite(x.view(dtype)) == 0
+        for pos in (0, 5, 1 << 20, x.size - 1):
+            for b in bad_bits:
+                y = x.copy()
+                y[pos] = b
+                assert fp8.count_nonfinite(y.view(dtype)) == 1, (dtype, pos, b)
+                assert fp8.count_nonfinite(y[1:].view(dtype)) == (pos > 0), (dtype, pos, b)  # misaligned
+
+
 # ------------------------------------------------------------------------------------------------------
 # Bad input: exit status, one cause (naming tensor and file), nothing marked complete.
 def _copy(src, dst):

@@ -5,10 +5,16 @@ resumable.
         -> k2jax layout -> write its (layer, expert) slot of the stacked array -> unit done marker
         -> all units done: config.json, Orbax _METADATA, manifest (the completion marker), last
 
-Memory: at most 2 x workers tensors are in flight at once, so the peak is a few tensors' worth, independent
-of the number of blocks. Work is tracked in units (the global tensors, then one unit per decoder layer): a
-unit's marker is written only after all of its chunks are on disk, so a rerun after a kill (any signal,
-any moment) redoes only unfinished units and writes the same bytes.
+Memory: each worker converts one tensor at a time (a big one in pieces of whole chunks) in buffers it
+reuses, so the peak is a few tensors' worth, independent of the number of blocks. Work is tracked in units
+(the global tensors, then one unit per decoder layer): a unit's marker is written only after all of its
+chunks are on disk, so a rerun after a kill (any signal, any moment) redoes only unfinished units and writes
+the same bytes.
+
+Speed: the CPU is the limit, not the disk. Data moves with O_DIRECT (filling and flushing the page cache
+would cost more CPU than the conversion itself), the FP8 weights are dequantized and transposed in
+cache-friendly passes (fp8.dequantize_transposed), and fresh memory is avoided (each fresh page is a fault).
+Workers are twice the CPUs, as a worker waits for the disk in between.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -32,13 +38,15 @@ import numpy as np
 from k2jax import distributed as D
 from k2jax.checkpoint import names as N
 from k2jax.checkpoint import orbax_io as O
-from k2jax.checkpoint.fp8 import dequantize, scale_shape
+from k2jax.checkpoint.fp8 import count_nonfinite, dequantize, dequantize_transposed, scale_shape, transpose
 from k2jax.checkpoint.hf import MAX_LISTED, Source, check_checkpoint
-from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint, SafetensorsFile, read_index
+from k2jax.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, Checkpoint, SafetensorsFile, Scratch,
+                                             read_index)
 from k2jax.config import K2Config
 
 DTYPES = ("bfloat16", "float32", "float8")
 GLOBAL_UNIT = "globals"
+PIECE_BYTES = 64 << 20  # a big tensor is converted in pieces of about this much output (whole chunks)
 # Testing hook: SIGKILL this process after that many tensors are written (tests/test_convert.py).
 KILL_AFTER_ENV = "K2JAX_CONVERT_TEST_KILL_AFTER"
 
@@ -65,8 +73,9 @@ def unit_of(t: N.Target) -> str:
 
 # ------------------------------------------------------------------------------------------------------
 # Verification (before anything is written)
-def open_source(src: pathlib.Path) -> tuple[K2Config, Checkpoint]:
-    """Config and checkpoint of SRC; every unreadable header is reported together."""
+def open_source(src: pathlib.Path, direct: bool = False) -> tuple[K2Config, Checkpoint]:
+    """Config and checkpoint of SRC (tensor data read with O_DIRECT if `direct`); every unreadable header is
+    reported together."""
     if not src.exists():
         raise ConvertError(f"SRC {src}: no such file or directory")
     if not src.is_dir():
@@ -87,7 +96,7 @@ def open_source(src: pathlib.Path) -> tuple[K2Config, Checkpoint]:
         except (ValueError, OSError) as e:
             problems.append(str(e))
     raise_all(problems, src)
-    return cfg, Checkpoint(src)
+    return cfg, Checkpoint(src, direct)
 
 
 def raise_all(problems: list[str], where) -> None:
@@ -213,98 +222,100 @@ def _remove_partial_writes(dst: pathlib.Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
-def _nonfinite(x: np.ndarray) -> int:
-    """Count of NaN / inf elements, by bit pattern (fast for bf16 and e4m3, which numpy does not know)."""
-    if x.dtype == O._DTYPES["float8_e4m3fn"]:
-        return int(np.count_nonzero((x.view(np.uint8) & 0x7F) == 0x7F))  # e4m3fn: NaN only
-    if x.dtype == O._DTYPES["bfloat16"]:
-        return int(np.count_nonzero((x.view(np.uint16) & 0x7F80) == 0x7F80))
-    if x.dtype == np.float16:
-        return int(np.count_nonzero((x.view(np.uint16) & 0x7C00) == 0x7C00))
-    return int(x.size - np.count_nonzero(np.isfinite(x)))
-
-
-def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block, dtype) -> tuple[np.ndarray, int]:
-    """fp8 [out, in] with block scales -> (dtype [in, out] C-contiguous, count of non-finite values):
-    `fp8.dequantize(w, scale, block, float32).astype(dtype).T`, bit for bit, as one fused XLA loop on the host
-    CPU (decode, scale, check, round and transpose in one pass: about 2x faster than numpy's separate passes;
-    the scales are checked finite and positive beforehand, so a non-finite value means NaN in the data)."""
-    x, bad = _dequantize_t()(w_OI, scale, tuple(block), np.dtype(dtype))
-    return np.asarray(x), int(bad)
-
-
-@functools.cache
-def _dequantize_t():
-    import jax  # here, not at import: `k2jax --help` stays quick
-    import jax.numpy as jnp
-
-    def f(w, s, block, dtype):
-        x = dequantize(w, s, block, np.float32)
-        return x.astype(dtype).T, jnp.sum(~jnp.isfinite(x))
-
-    return jax.jit(f, static_argnums=(2, 3))
-
-
 class _Converter:
-    """Per-tensor work: read, check, dequantize or keep, re-layout, write into its slot."""
+    """Per-tensor work: read, check, dequantize or keep, re-layout, write into its slot. A big 2-D tensor goes
+    in pieces of whole chunks (rows of the source), so its buffers are reused like everyone else's."""
 
-    def __init__(self, cfg, ckpt, dst, dtype, block, leaves, fp8, workers):
-        self.cfg, self.ckpt, self.dtype, self.block, self.fp8 = cfg, ckpt, dtype, block, fp8
-        ctx = O.ts_context(workers)
-        self.arrays = {n: O.open_array(dst, n, spec, ctx, create=True) for n, spec in leaves.items()}
+    def __init__(self, cfg, ckpt, dst, dtype, block, leaves, fp8, direct):
+        self.cfg, self.ckpt, self.dtype, self.block, self.fp8, self.leaves = cfg, ckpt, dtype, block, fp8, leaves
+        for n, spec in leaves.items():
+            O.open_array(dst, n, spec, create=True)
+        self.writer = O.ChunkWriter(dst, leaves, direct)
+        self.scratch = Scratch()
         self.leaf_dtype = {n: np.dtype(O._DTYPES[s["dtype"]]) for n, s in leaves.items()}
 
     def __call__(self, src: Source) -> str | None:
-        """Convert one tensor; -> a problem found in its data (nothing written), or None."""
+        """Convert one tensor; -> a problem found in its data (nothing written, or for a tensor in pieces
+        nothing after the piece it is in; its unit is not marked done either way), or None."""
         t, ckpt = src.target, self.ckpt
         name = O.leaf_name(t.leaf)
-        raw = ckpt.read(t.name)
+        shape = ckpt.tensors[t.name].shape
         slot = N.slot_shape(t, self.cfg)
-        fused = name not in self.fp8 and src.scale is not None and t.transform.forward is N.T.TRANSPOSE.forward
-        if fused:  # every FP8 weight: the dequantizing pass also counts non-finite values
-            x, bad = dequantize_transposed(raw, ckpt.read(src.scale), self.block, self.leaf_dtype[name])
-        else:
-            bad = _nonfinite(raw)
+        transposed = t.transform.forward is N.T.TRANSPOSE.forward and len(shape) == 2  # all of the TRANSPOSE_*
+        scale = None if src.scale is None else ckpt.read(src.scale)
+        pieces = self._pieces(name, shape, slot, transposed, scale is not None and name not in self.fp8)
+        bad = 0
+        for rows in pieces:
+            n, x = self._convert_rows(src, name, rows, transposed, scale)
+            bad += n
+            if not bad:
+                whole = len(pieces) == 1
+                start = None if whole else (0, rows[0]) if transposed else (rows[0], 0)
+                self.writer.write(name, t.index, x.reshape(slot) if whole else x, self.scratch, start)
         if bad:
             return f"{t.name!r} ({ckpt.file_of(t.name)}): {bad} NaN/inf value(s) in the data"
-        writes = []
-        if fused:
-            # as load_hf: products in float32, one rounding to the target dtype; x.T.reshape(slot) = forward
-            x = x.reshape(slot)
-        elif name in self.fp8:
-            scale = ckpt.read(src.scale).astype(np.float32)
-            writes.append(self._slot(self.fp8[name]["scale"], t).write(scale.T))
-            x = t.transform.forward(raw, slot)
-        else:
-            if src.scale is not None:
-                raw = dequantize(raw, ckpt.read(src.scale), self.block, np.float32)
-            x = t.transform.forward(raw.astype(self.leaf_dtype[name], copy=False), slot)
-        writes.append(self._slot(name, t).write(x))
-        for w in writes:
-            w.result()
+        if name in self.fp8:  # float8: e4m3 as stored, its scale beside it (transposed like the weight)
+            self.writer.write(self.fp8[name]["scale"], t.index, np.ascontiguousarray(scale.astype(np.float32).T),
+                              self.scratch)
         return None
 
-    def _slot(self, name, t):
-        a = self.arrays[name]
-        return a[t.index] if t.index else a
+    def _pieces(self, name, shape, slot, transposed, dequantized) -> list[tuple[int, int]]:
+        """Row ranges of the source to convert one at a time: about PIECE_BYTES of output each, in whole chunks
+        (and whole scale blocks); [(0, rows)] for a tensor that is small or not a plain 2-D slot."""
+        rows = shape[0] if shape else 0
+        if len(shape) != 2 or tuple(slot) != (tuple(shape[::-1]) if transposed else tuple(shape)) or \
+                (dequantized and not transposed):
+            return [(0, rows)]
+        chunks = self.leaves[name]["chunks"][-2:]
+        step = chunks[1] if transposed else chunks[0]  # source rows per chunk
+        if dequantized:
+            step = math.lcm(step, self.block[0])
+        step *= max(1, PIECE_BYTES // (step * shape[1] * self.leaf_dtype[name].itemsize))
+        return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, rows)]
+
+    def _convert_rows(self, src, name, rows, transposed, scale) -> tuple[int, np.ndarray]:
+        """Source rows [a, b) -> (count of non-finite values, converted: [b - a, ...] or transposed)."""
+        t, ckpt, scratch, dtype = src.target, self.ckpt, self.scratch, self.leaf_dtype[name]
+        raw = ckpt.read(t.name, scratch, rows if len(ckpt.tensors[t.name].shape) else None)
+        if scale is not None and name not in self.fp8 and transposed:  # every FP8 weight, bf16/f32 output
+            # as load_hf: products in float32, one rounding to the target dtype; the pass also counts NaN/inf
+            if raw.ctypes.data % 64:  # jax copies a misaligned input itself, several times slower than this
+                raw = _copy(raw, scratch.array("in", raw.shape, raw.dtype))
+            b = self.block[0]
+            x, bad = dequantize_transposed(raw, scale[rows[0] // b:-(-rows[1] // b)], self.block, dtype,
+                                           scratch.array("out", raw.shape[::-1], dtype))
+            return bad, x
+        bad = count_nonfinite(raw)
+        if scale is not None and name not in self.fp8:
+            raw = dequantize(raw, scale, self.block, np.float32)
+        raw = raw.astype(dtype, copy=False)
+        return bad, transpose(raw, scratch.array("out", raw.shape[::-1], dtype)) if transposed else raw
+
+
+def _copy(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    np.copyto(out, x)
+    return out
 
 
 def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layers: str | None = None,
-            overwrite: bool = False, quiet: bool = False, log=print) -> Stats:
+            overwrite: bool = False, quiet: bool = False, log=print, direct_io: bool = True) -> Stats:
     """Convert the HF checkpoint directory `src` into `dst` (see the module docstring). Returns Stats;
     raises ConvertError (or OSError / SafetensorsError) with every problem found, writing nothing on bad input.
 
     layers 'a:b' converts only those decoder layers (and the global tensors when a == 0): runs over disjoint
     ranges, e.g. one per host, fill one DST, and whichever finishes the last unit marks it complete.
+
+    direct_io: read the source and write the chunks with O_DIRECT where the filesystems allow it (see
+    safetensors_io and orbax_io.ChunkWriter); False: through the page cache.
     """
     t0 = time.perf_counter()
     src, dst = pathlib.Path(src), pathlib.Path(dst)
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    workers = workers or min(8, os.cpu_count() or 1)
+    workers = workers or min(8, 2 * (os.cpu_count() or 1))
     if workers < 1:
         raise ConvertError(f"--workers {workers}: need at least 1")
-    cfg, ckpt = open_source(src)
+    cfg, ckpt = open_source(src, direct_io)
     with ckpt:
         plan = check_checkpoint(cfg, ckpt)
         problems = list(plan.problems)
@@ -324,7 +335,7 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
 
         def make_converter():
             try:
-                return _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, workers)
+                return _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, direct_io)
             except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
                 raise ConvertError(f"DST {dst}: cannot create the arrays: {_first_line(e)}") from None
 
@@ -533,13 +544,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 (default) or float32: FP8 weights dequantized with their 128x128 block scales; "
                         "float8: keep the e4m3 weights and store their scales beside them (dequantized on load)")
     p.add_argument("--workers", type=int, default=None,
-                   help="threads reading, dequantizing and writing (default: min(8, CPUs))")
+                   help="threads reading, dequantizing and writing (default: min(8, 2 x CPUs))")
     p.add_argument("--layers", metavar="A:B", default=None,
                    help="convert only decoder layers A..B-1 (plus embeddings/norm/lm_head when A is 0), e.g. to "
                         "split the work over hosts sharing DST; the last run to finish marks DST complete")
     p.add_argument("--overwrite", action="store_true", help="replace a complete checkpoint (or another job's "
                                                             "unfinished one) at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines, only errors")
+    p.add_argument("--no-direct-io", dest="direct_io", action="store_false",
+                   help="read and write through the page cache (default: O_DIRECT where the filesystem allows it, "
+                        "which saves most of the CPU time of a conversion)")
     D.add_arguments(p)
 
 
@@ -551,7 +565,7 @@ def run(args: argparse.Namespace, prog: str = "k2jax convert") -> int:
         if D.initialize_from_args(args) and not D.is_main():  # one progress bar and report: process 0's
             quiet, log = True, (lambda *a, **k: None)
         stats = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, layers=args.layers,
-                        overwrite=args.overwrite, quiet=quiet, log=log)
+                        overwrite=args.overwrite, quiet=quiet, log=log, direct_io=args.direct_io)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -5,11 +5,14 @@ File layout: 8-byte little-endian header length n, n bytes of JSON {name: {dtype
 here, not by the safetensors library, so that every error names the file and the tensor.
 
 Reads use os.pread on one descriptor per file (no shared file position): `read` may be called from many
-threads at once, one tensor per call.
+threads at once, one tensor per call. With direct=True (the converter) tensor data is read with O_DIRECT,
+bypassing the page cache: a streaming pass reads every byte once, and filling the page cache costs more CPU
+than the copy itself (page allocation and reclaim), which is what bounds a conversion on a few cores.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -35,6 +38,9 @@ DTYPES: dict[str, np.dtype] = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
+
+# O_DIRECT: buffer address, file offset and length in multiples of this (covers 512 B and 4 KiB sectors).
+ALIGN = 4096
 
 if sys.byteorder != "little":  # bfloat16 / float8 have no byte-swapped numpy dtypes
     raise ImportError("k2jax.checkpoint.safetensors_io needs a little-endian host")
@@ -64,6 +70,41 @@ class TensorInfo(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------------
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes rounded up to ALIGN], its address a multiple of ALIGN (what O_DIRECT needs)."""
+    n = -(-nbytes // ALIGN) * ALIGN
+    raw = np.empty(n + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + n]
+
+
+class Scratch:
+    """Aligned buffers reused per thread and purpose: a fresh allocation per tensor costs a page fault per
+    page (a few CPU-ns per byte on some VMs, as much as the work itself). Buffers above KEEP_BYTES are not
+    kept, so memory stays a few tensors' worth."""
+
+    KEEP_BYTES = 80 << 20  # a chunk (orbax_io.CHUNK_BYTES) and then some
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self, purpose: str, nbytes: int) -> np.ndarray:
+        """uint8 [>= nbytes, a multiple of ALIGN], aligned; valid until this thread's next get(purpose)."""
+        bufs = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(purpose)
+        if buf is None or buf.nbytes < nbytes:
+            buf = aligned_empty(nbytes)
+            if buf.nbytes <= self.KEEP_BYTES:
+                bufs[purpose] = buf
+        return buf[:-(-nbytes // ALIGN) * ALIGN]
+
+    def array(self, purpose: str, shape, dtype) -> np.ndarray:
+        """An aligned C-contiguous array of `shape`, `dtype` from get(purpose)."""
+        dtype = np.dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
+        return self.get(purpose, n)[:n].view(dtype).reshape(shape)
+
+
 def _no_duplicate_keys(pairs):
     keys = [k for k, _ in pairs]
     if len(keys) != len(set(keys)):
@@ -118,17 +159,26 @@ def parse_header(raw: bytes, file_size: int, where: str) -> tuple[dict[str, Tens
 
 
 class SafetensorsFile:
-    """One .safetensors file: header validated on open, tensors read lazily and thread-safely."""
+    """One .safetensors file: header validated on open, tensors read lazily and thread-safely; with direct=True
+    tensor data is read with O_DIRECT where the filesystem allows it (else through the page cache)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, direct: bool = False):
         self.path = os.fspath(path)
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._dfd = -1  # the O_DIRECT descriptor, if any
+        self._direct = False  # reads use it (until the filesystem refuses one)
         self._lock = threading.Lock()  # only for platforms without os.pread
         try:
             self.size = os.fstat(self._fd).st_size
             self.tensors, self.metadata = self._read_header()
+            if direct and hasattr(os, "O_DIRECT") and hasattr(os, "preadv"):
+                try:
+                    self._dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+                    self._direct = True
+                except OSError:  # e.g. tmpfs: EINVAL
+                    pass
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _read_header(self):
@@ -160,20 +210,57 @@ class SafetensorsFile:
             got += k
         return buf if out is not None else bytes(buf)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor `name` as a fresh, writable numpy array (bf16/fp8 as ml_dtypes types)."""
+    def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor `name` (or its rows [a, b) when rows=(a, b): a contiguous part) as a writable numpy array
+        (bf16/fp8 as ml_dtypes types): a fresh one, or with `scratch` a view of its "read" buffer (valid until
+        this thread's next read with it)."""
         info = self.tensors.get(name)
         if info is None:
             raise KeyError(f"{self.path}: no tensor {name!r}")
-        arr = np.empty(info.shape, info.np_dtype)
-        if info.nbytes:
-            self._pread(info.nbytes, info.begin, memoryview(arr.reshape(-1).view(np.uint8)))
-        return arr
+        shape, begin, end = info.shape, info.begin, info.end
+        if rows is not None:
+            if not shape or not 0 <= rows[0] <= rows[1] <= shape[0]:
+                raise ValueError(f"{self.path}: tensor {name!r} {list(shape)}: no rows {rows}")
+            row = math.prod(shape[1:]) * info.np_dtype.itemsize
+            shape, begin, end = (rows[1] - rows[0], *shape[1:]), begin + rows[0] * row, begin + rows[1] * row
+        if not self._direct or end == begin:
+            arr = np.empty(shape, info.np_dtype) if scratch is None else scratch.array("read", shape, info.np_dtype)
+            if end > begin:
+                self._pread(end - begin, begin, memoryview(arr.reshape(-1).view(np.uint8)))
+            return arr
+        # O_DIRECT: read the aligned span around the tensor, return the tensor's part of it
+        start = begin - begin % ALIGN
+        need = end - start
+        buf = aligned_empty(need) if scratch is None else scratch.get("read", need)
+        self._pread_direct(buf, start, need)
+        return buf[begin - start:need].view(info.np_dtype).reshape(shape)
+
+    def _pread_direct(self, buf: np.ndarray, offset: int, need: int) -> None:
+        """Read at least `need` bytes at `offset` (aligned) into `buf` (aligned, a whole number of blocks
+        long, maybe past the end of the file: a read at the end returns short)."""
+        mv, got = memoryview(buf), 0
+        while got < need:
+            if got % ALIGN:  # a short read before the end (not expected): finish through the page cache
+                self._pread(need - got, offset + got, mv[got:need])
+                return
+            try:
+                k = os.preadv(self._dfd, [mv[got:]], offset + got)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # the filesystem refuses O_DIRECT reads after all
+                self._pread(need - got, offset + got, mv[got:need])
+                return
+            if k == 0:
+                raise SafetensorsError(f"{self.path}: unexpected end of file at byte {offset + got} "
+                                       f"(file shrank or truncated)")
+            got += k
 
     def close(self):
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for attr in ("_fd", "_dfd"):
+            if getattr(self, attr, -1) >= 0:
+                os.close(getattr(self, attr))
+                setattr(self, attr, -1)
 
     def __enter__(self):
         return self
@@ -193,8 +280,9 @@ class Checkpoint:
     missing). A malformed file raises SafetensorsError at once.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, direct: bool = False):
         self.path = pathlib.Path(path)
+        self.direct = direct  # read tensor data with O_DIRECT (see SafetensorsFile)
         self.problems: list[str] = []
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -244,7 +332,7 @@ class Checkpoint:
 
     def _open_files(self, root: pathlib.Path, names: list[str]):
         for f in names:
-            self.files[f] = SafetensorsFile(root / f)
+            self.files[f] = SafetensorsFile(root / f, self.direct)
 
     def _all_tensors(self) -> dict[str, TensorInfo]:
         """Union of the files' headers; a name in two files is reported (the first file keeps it)."""
@@ -261,10 +349,10 @@ class Checkpoint:
     def file_of(self, name: str) -> str:
         return os.path.basename(self.tensors[name].file)
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor as numpy (thread-safe; see SafetensorsFile.read)."""
+    def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One tensor (or some of its rows) as numpy (thread-safe; see SafetensorsFile.read)."""
         info = self.tensors[name]
-        return self.files[os.path.basename(info.file)].read(name)
+        return self.files[os.path.basename(info.file)].read(name, scratch, rows)
 
     def close(self):
         for sf in self.files.values():
