@@ -7,9 +7,10 @@ Two ways to run the routed experts, with the same parameters:
 - `moe_dense`: every expert on every token, masked by the router weights. Obviously correct, E/K times the
   work; the reference the fast path is tested against.
 - `moe_grouped`: dropless dispatch. Assignments are sorted by expert and each expert's rows run through its
-  own weights only. On XLA:CPU (no real ragged_dot kernel) the rows are padded per expert to whole tiles and
-  a scan visits the tiles, each one a small dense SwiGLU with that tile's expert; on GPU/TPU the same sorted
-  rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
+  own weights only. On GPU/TPU the sorted rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
+  XLA:CPU has no real kernel for it, so `grouped_moe` runs one batched matmul over every expert's first
+  C rows (C sized for a balanced load) and a loop over tiles for what a hot expert has beyond C; for
+  decode-sized batches it gathers the chosen experts' weights instead.
 """
 
 from __future__ import annotations
