@@ -11,6 +11,7 @@ import pytest
 
 from k2jax import K2Config, K2Model, init_params, load_hf
 from k2jax.checkpoint import names as N
+from k2jax.nn.model import abstract_params
 from k2jax.sharding import make_mesh
 from k2jax.train import BIAS_PATH, loss_and_metrics, make_train_step, next_token_targets, token_nll
 from tests.conftest import CONFIGS
@@ -142,6 +143,20 @@ def test_unknown_remat_policy():
     cfg = K2Config.from_hf_config(CONFIGS / "tiny.json")
     with pytest.raises(ValueError, match="remat policy"):
         K2Model(cfg, remat="some").init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
+
+
+def test_remat_cuts_activation_memory():
+    """At a few hundred tokens the activations kept for the backward pass dominate XLA's temp bytes: with
+    remat they must shrink (compile only; params, gradients and Adam state are the same for every policy)."""
+    cfg = K2Config.from_hf_config(CONFIGS / "tiny.json")
+    params = abstract_params(cfg)
+    batch = {"tokens": jax.ShapeDtypeStruct((2, 256), jnp.int32)}
+    temp = {}
+    for remat in ("none", "full"):
+        step = make_train_step(K2Model(cfg, remat=remat), optax.adam(1e-3))
+        opt_state = jax.eval_shape(step.optimizer.init, params)
+        temp[remat] = step.fn.lower(params, opt_state, batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp["full"] < 0.7 * temp["none"], temp  # 0.54 with jax 0.12; about 1 if remat does nothing
 
 
 # --------------------------------------------------------------------------------------- training runs
