@@ -1,10 +1,11 @@
 """Prefill forward of configs/bench.json (1 × 512 tokens): k2jax against transformers, same weights.
 
-    python bench/forward.py [--tokens 512] [--rounds 5]
+    python bench/forward.py [--tokens 512] [--rounds 5] [--bias-scale 0.0]
 
 transformers' DeepseekV3ForCausalLM runs in the oracle environment (Python 3.11, torch CPU, 2 threads); the
 two are alternated round by round so both see the same machine state. Prints median times, the speed-up, and
-k2jax's achieved GFLOP/s against the measured matmul peak of the same dtype.
+k2jax's achieved GFLOP/s against the measured matmul peak of the same dtype. The weights are random; how
+evenly they spread tokens over the experts matters to both implementations, so the load skew is printed too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def main():
     ap.add_argument("--config", default=f"{REPO}/configs/bench.json")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bias-scale", type=float, default=0.0,
+                    help="the random e_score_correction_bias is uniform in +-this (default 0: a trained model's bias "
+                         "evens the load out; the parity tests' 0.5, there to expose bias bugs, sends most "
+                         "tokens to a few experts)")
     args = ap.parse_args()
 
     hf_cfg = json.load(open(args.config))
@@ -39,7 +44,7 @@ def main():
           f"backend {jax.default_backend()}")
     rows = []
     with Oracle() as oracle, tempfile.TemporaryDirectory() as tmp:
-        base = {"config": hf_cfg, "seed": 0}
+        base = {"config": hf_cfg, "seed": 0, "bias_scale": args.bias_scale}
         oracle.run(base | {"save": {"dir": tmp, "format": "hf"}})
         for dtype in ("bfloat16", "float32"):
             _, params = load_hf(tmp, dtype=jnp.dtype(dtype))
@@ -47,6 +52,9 @@ def main():
             fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
             toks = jnp.asarray(tokens, jnp.int32)
             jax.block_until_ready(fwd(params, toks))
+            if dtype == "bfloat16":
+                print(f"tokens per expert, max / mean over the {cfg.n_routed_experts} experts, by MoE layer: "
+                      + " ".join(f"{r:.2f}" for r in load_skew(model, params, toks)))
             oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 1, "repeats": 1}})
             ours, theirs = [], []
             for _ in range(args.rounds):
@@ -61,6 +69,13 @@ def main():
     for dtype, ours, theirs, achieved, peak in rows:
         print(f"{dtype:<9} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
               f"{achieved / 1e9:>14.1f} {peak / 1e9:>12.1f} {achieved / peak:>7.0%}")
+
+
+def load_skew(model, params, tokens) -> np.ndarray:
+    """max / mean tokens per expert in each MoE layer (1 = perfectly even)."""
+    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    load_LE = np.asarray(state["intermediates"]["moe_layers"]["mlp"]["gate"]["load"][0])
+    return load_LE.max(-1) / load_LE.mean(-1)
 
 
 if __name__ == "__main__":
