@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.nn.moe import _ragged_swiglu, _swiglu
+from k2jax.nn.moe import _ragged_swiglu, grouped_moe
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -77,9 +77,9 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
         # Under grad, an input replicated over a mesh axis (the experts over data, the tokens over tensor) has
         # its cotangent psum'd over that axis where it first meets a value that varies: made to vary over
-        # every axis here, those psums run once, here. Otherwise they run inside the tile loop's cond
-        # (_sorted_tiled_swiglu), whose predicate differs between devices: a psum over data there never
-        # completes (some devices of its group take the other branch). Adding 0.0 changes no value, and XLA
+        # every axis here, those psums run once, here. Otherwise they run inside the tile loop (its trip count,
+        # k2jax.nn.moe.grouped_moe's active tiles, differs between devices): a psum over data there never
+        # completes (some devices of its group stop looping earlier). Adding 0.0 changes no value, and XLA
         # folds the add away. (The all-to-all rounds' cond is safe: its predicate is pmax'd over all groups.)
         x_tD, w_tK, gate_eDf, up_eDf, down_efD = _vary_all(x_tD, w_tK, gate_eDf, up_eDf, down_efD)
         ex = (gate_eDf, up_eDf, down_efD)
@@ -149,6 +149,10 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
 def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64):
     """Σ_k w_k · Expert_{lid_k}(x) over this device's experts, float32 [R, D]; slots with lid == e (the
     number of local experts) belong elsewhere and add nothing."""
+    if impl != "ragged":
+        # How many rows each device gets is not known statically, so no batched capacity: tiles only.
+        return grouped_moe(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, capacity=0, tile=tile,
+                           out_dtype=jnp.float32)
     R, K = lid_RK.shape
     e = gate_eDF.shape[0]
     M = R * min(K, e)  # a row's K experts are distinct: at most min(K, e) of them are here
@@ -156,40 +160,9 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
     order_M = jnp.argsort(flat, stable=True)[:M]  # this device's slots first, grouped by expert
     e_sorted_M = flat[order_M]
     sizes_e = jnp.bincount(flat, length=e + 1)[:e]
-    x_MD = x_RD[order_M // K]
-    if impl == "ragged":
-        y_MD = _ragged_swiglu(x_MD, sizes_e, gate_eDF, up_eDF, down_eFD)  # rows past Σ sizes come out 0
-    else:
-        y_MD = _sorted_tiled_swiglu(x_MD, e_sorted_M, sizes_e, gate_eDF, up_eDF, down_eFD, tile)
+    y_MD = _ragged_swiglu(x_RD[order_M // K], sizes_e, gate_eDF, up_eDF, down_eFD)  # rows past Σ sizes: 0
     w_M = jnp.where(e_sorted_M < e, w_RK.reshape(-1)[order_M], 0.0)
     return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
-
-
-def _sorted_tiled_swiglu(x_MD, e_sorted_M, sizes_e, gate_eDF, up_eDF, down_eFD, tile):
-    """moe.py's tiled path for rows already sorted by expert, with trailing rows (id e) that are not computed:
-    each expert's rows start at a multiple of `tile` and a scan runs only the tiles that hold rows."""
-    M, D = x_MD.shape
-    e = sizes_e.shape[0]
-    n_tiles = -(-(M + min(e, M) * (tile - 1)) // tile)
-    padded_e = -(-sizes_e // tile) * tile
-    pad_end_e = jnp.cumsum(padded_e)
-    ec_M = jnp.minimum(e_sorted_M, e - 1)
-    rank_M = jnp.arange(M) - (jnp.cumsum(sizes_e) - sizes_e)[ec_M]
-    dest_M = jnp.where(e_sorted_M < e, (pad_end_e - padded_e)[ec_M] + rank_M, n_tiles * tile)  # past the end: dropped
-    src_P = jnp.full(n_tiles * tile, M, jnp.int32).at[dest_M].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
-    x_pad_PD = jnp.concatenate([x_MD, jnp.zeros((1, D), x_MD.dtype)])[src_P]
-    tile_expert = jnp.minimum(jnp.searchsorted(pad_end_e, jnp.arange(n_tiles) * tile, side="right"), e - 1)
-    n_active = pad_end_e[-1] // tile
-
-    def body(_, inp):
-        j, ex, x_tD = inp
-        y_tD = jax.lax.cond(j < n_active, lambda: _swiglu(x_tD, gate_eDF[ex], up_eDF[ex], down_eFD[ex]),
-                            lambda: _zeros(x_tD.shape, x_tD.dtype, x_tD, down_eFD))
-        return None, y_tD
-
-    _, y_tiles = jax.lax.scan(body, None, (jnp.arange(n_tiles), tile_expert, x_pad_PD.reshape(n_tiles, tile, D)))
-    y_PD = jnp.concatenate([y_tiles.reshape(n_tiles * tile, D), jnp.zeros((1, D), x_MD.dtype)])
-    return y_PD[dest_M]
 
 
 def _vary_all(*arrays):

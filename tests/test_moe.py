@@ -68,6 +68,22 @@ def test_grouped_gradients_equal_dense(T, E, capacities):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T, E, capacity", [(2, 64, None), (40, 8, None), (40, 8, 0)])  # gathered, batched, tiles
+def test_experts_held_elsewhere_add_nothing(T, E, capacity):
+    # Expert parallelism marks a device's foreign assignments with id E.
+    from k2jax.nn.moe import grouped_moe
+
+    key = jax.random.PRNGKey(7)
+    K, D, F = 4, 16, 12
+    w = experts(key, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K)
+    foreign = jax.random.bernoulli(jax.random.fold_in(key, 4), 0.5, idx.shape)
+    ref = moe_dense(x, idx, jnp.where(foreign, 0.0, wt), *w)
+    got = grouped_moe(x, jnp.where(foreign, E, idx), wt, *w, capacity=capacity, tile=4)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_grouped_close_to_dense():
     key = jax.random.PRNGKey(1)
     w = experts(key, 16, 64, 32, jnp.bfloat16)

@@ -208,9 +208,11 @@ def default_sizes(M: int, E: int) -> tuple[int, int]:
     return capacity, min(128, 1 << (capacity - 1).bit_length())
 
 
-def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None):
+def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None,
+                out_dtype=None):
     """Σ_k w_k · SwiGLU_{idx_k}(x) for XLA:CPU, which has no grouped matmul kernel. x [T, D], idx/weight
-    [T, K] -> [T, D] in x's dtype.
+    [T, K] -> [T, D] in out_dtype (default x's). idx == E (an expert held elsewhere; expert parallelism)
+    adds nothing.
 
     - Each expert's first `capacity` rows go to an [E, C, D] buffer and one batched matmul per projection
       runs all experts at once, reading the stacked weights in place. The outputs are gathered back per
@@ -226,25 +228,27 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     T, D = x_TD.shape
     K, E = idx_TK.shape[1], gate_EDF.shape[0]
     M = T * K
-    dt = x_TD.dtype
+    dt = x_TD.dtype if out_dtype is None else out_dtype
     if capacity is None and 4 * M <= E:
-        return _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)
+        weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
+        return _gathered_moe(x_TD, jnp.minimum(idx_TK, E - 1), weight_TK, gate_EDF, up_EDF, down_EFD).astype(dt)
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile
-    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), dt)])  # row T: zeros, for empty slots
+    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
 
     flat_M = idx_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> assignment
-    e_sorted_M = flat_M[order_M]
-    sizes_E = jnp.bincount(flat_M, length=E)
+    e_sorted_M = jnp.minimum(flat_M[order_M], E - 1)
+    here_M = flat_M[order_M] < E  # sorted last: the assignments held elsewhere
+    sizes_E = jnp.bincount(flat_M, length=E + 1)[:E]
     rank_sorted_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_M]
     tok_sorted_M = (order_M // K).astype(jnp.int32)
 
     # Capacity part: slot e*C + rank; rows past capacity get slot E*C and take no part.
-    in_cap_M = rank_sorted_M < C
+    in_cap_M = here_M & (rank_sorted_M < C)
     slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
-    y_TD = jnp.zeros((T, D), jnp.float32)
+    y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
     if C:
         src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C]
         y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
@@ -261,7 +265,8 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
     padded_E = -(-jnp.maximum(sizes_E - C, 0) // tile) * tile
     pad_end_E = jnp.cumsum(padded_E)
-    pos_sorted_M = jnp.where(in_cap_M, n_tiles * tile, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C)
+    pos_sorted_M = jnp.where(here_M & ~in_cap_M, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C,
+                             n_tiles * tile)
     src_P = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(tok_sorted_M, mode="drop")
     w_P = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
         weight_TK.reshape(-1)[order_M], mode="drop")
@@ -340,8 +345,8 @@ def _tile_loop_bwd(res, dy_ext):
                 dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)),
                 ddown.at[e].add(mm("CF,CD->FD", h_CF, dout_CD)))
 
-    init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC), jnp.zeros(gate_EDF.shape, f32),
-            jnp.zeros(up_EDF.shape, f32), jnp.zeros(down_EFD.shape, f32))
+    init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC), jnp.zeros_like(gate_EDF, f32), jnp.zeros_like(up_EDF, f32),
+            jnp.zeros_like(down_EFD, f32))
     dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
     return (dx_ext, dy_ext, None, dw_nC, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
             ddown.astype(down_EFD.dtype))
