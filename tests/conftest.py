@@ -11,6 +11,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
+def flat(tree) -> dict:
+    """A pytree's leaves by their key path, for comparing trees leaf by leaf with a readable name."""
+    import jax
+
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 @pytest.fixture(scope="session")
 def repo():
     return REPO

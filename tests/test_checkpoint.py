@@ -17,6 +17,7 @@ from k2jax.checkpoint import (
 )
 from k2jax.checkpoint.fp8 import ensure_numpy_float8
 from k2jax.checkpoint.safetensors_io import write_file
+from tests.conftest import flat
 
 ensure_numpy_float8()
 from safetensors.numpy import load_file  # noqa: E402
@@ -47,10 +48,6 @@ def make_cfg(**changes):
 def random_params(cfg, dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda l: rng.standard_normal(l.shape).astype(l.dtype), abstract_params(cfg, dtype))
-
-
-def flat(tree):
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def assert_same_tree(got, want):

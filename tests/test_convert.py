@@ -21,6 +21,7 @@ from k2jax.checkpoint.convert import KILL_AFTER_ENV, convert, main
 from k2jax.checkpoint.orbax_io import MANIFEST, IncompleteCheckpointError
 from k2jax.checkpoint.safetensors_io import Checkpoint, write_file
 from k2jax.testing import run_measured, write_release_checkpoint
+from tests.conftest import flat
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Dims that are not multiples of 128 (partial edge blocks everywhere), Kimi's routing and rope, 3 layers.
@@ -45,10 +46,6 @@ def dst_bf16(src, tmp_path_factory):
     d = tmp_path_factory.mktemp("conv") / "bf16"
     assert main([str(src), str(d), "--quiet"]) == 0
     return d
-
-
-def flat(tree):
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def assert_bit_equal(got, want):

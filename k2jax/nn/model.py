@@ -16,7 +16,8 @@ class K2Model(nn.Module):
     """tokens [B, T] int32 -> logits [B, T, V] float32.
 
     positions [B, T] default to 0..T-1; attention_mask [B, S] (1 = real token) is combined with the causal
-    mask. Attention is blocked (tiles above the diagonal skipped); `reference` is the plain form. Computation runs in `param_dtype`; norms, softmax and the router in float32.
+    mask. Attention is blocked (tiles above the diagonal skipped); `reference` is the plain form. Computation
+    runs in `param_dtype`; norms, softmax and the router in float32.
 
     `prefill` and `decode` run the same params with a latent KV cache (k2jax.inference generates with them).
     """
@@ -28,16 +29,14 @@ class K2Model(nn.Module):
 
     def __call__(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
         B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        positions_BT = _default_positions(tokens_BT, positions_BT)
         kv_valid_BT = jnp.ones((B, T), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
         return self.forward(tokens_BT, positions_BT, kv_valid_BT, mode="causal")[0]
 
     def reference(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
         """The same logits through the plain attention (the whole [T, T] mask and score matrix)."""
         B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        positions_BT = _default_positions(tokens_BT, positions_BT)
         mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
         if attention_mask_BS is not None:
             mask_BTS = mask_BTS & attention_mask_BS.astype(bool)[:, None, :]
@@ -82,6 +81,14 @@ class K2Model(nn.Module):
         else:
             head_DV = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
         return einsum("BTD,DV->BTV", x_BTD, head_DV, jnp.float32), kv
+
+
+def _default_positions(tokens_BT, positions_BT):
+    """positions_BT, or 0..T-1 in every row when it is None."""
+    if positions_BT is not None:
+        return positions_BT
+    B, T = tokens_BT.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
 # What a block keeps from its forward pass for the backward pass: everything ("none": no remat), only its
