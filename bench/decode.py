@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax import K2Config, K2Model, abstract_params, generate, load_hf
+from k2jax import K2Config, K2Model, abstract_params, generate, load_hf, split_experts
 from k2jax.inference.cache import cache_bytes, cache_shapes
 from k2jax.testing import prefill_memory
 
@@ -39,7 +39,7 @@ def random_params(cfg, dtype, seed=0):
                         abstract_params(cfg, dtype))
 
 
-def decode_step_times(cfg, params, batch, context, repeats):
+def decode_step_times(cfg, params, batch, context, repeats, expanded=True):
     """Seconds per decode step (absorbed, expanded) with `context` tokens already in a random cache."""
     model = K2Model(cfg, jnp.bfloat16)
     S = context + 8
@@ -49,7 +49,7 @@ def decode_step_times(cfg, params, batch, context, repeats):
     positions = jnp.full((batch, 1), context, jnp.int32)
     valid = jnp.ones((batch, S), bool)
     out = []
-    for absorbed in (True, False):
+    for absorbed in (True, False) if expanded else (True,):
         step = jax.jit(lambda p, c, a=absorbed: model.apply({"params": p}, tokens, positions, valid, c, context,
                                                             a, method=K2Model.decode))
         out.append(median(time_fn(step, params, cache, repeats=repeats)))
@@ -84,13 +84,17 @@ def main():
               f"(= ({c.kv_lora_rank} + {c.qk_rope_head_dim}) x 2), {per_tok / 2**10:.1f} KiB per token; "
               f"per-head K/V would be {naive / per_tok:.1f}x more")
 
-    print("\n== decode step (whole model, one token per sequence), ms: absorbed vs expanded")
-    params = random_params(cfg, jnp.bfloat16)
-    print(f"{'batch':>5} {'context':>7} {'absorbed':>9} {'expanded':>9} {'exp/abs':>8}")
+    print("\n== decode step (whole model, one token per sequence), ms: absorbed vs expanded, on the split "
+          "experts layout `k2jax generate` serves from on CPU; last column: absorbed on the stacked layout")
+    stacked = random_params(cfg, jnp.bfloat16)
+    params = split_experts(stacked)
+    print(f"{'batch':>5} {'context':>7} {'absorbed':>9} {'expanded':>9} {'exp/abs':>8} {'stacked':>8}")
     for b in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
             a, e = decode_step_times(cfg, params, b, ctx, args.repeats)
-            print(f"{b:5d} {ctx:7d} {a * 1e3:9.1f} {e * 1e3:9.1f} {e / a:7.2f}x", flush=True)
+            s = decode_step_times(cfg, stacked, b, ctx, args.repeats, expanded=False)[0]
+            print(f"{b:5d} {ctx:7d} {a * 1e3:9.1f} {e * 1e3:9.1f} {e / a:7.2f}x {s * 1e3:8.1f}", flush=True)
+    del stacked, params
 
     if not args.skip_long:
         print("\n== long prefill, tiny config, key-blocked attention (subprocess)")
@@ -118,7 +122,7 @@ def main():
         hf_s = time.perf_counter() - t
         print(f"transformers (float32, eager): {args.new_tokens / hf_s:8.1f} tokens/s overall ({hf_s:.2f} s)")
         for dtype in (jnp.bfloat16, jnp.float32):
-            _, p = load_hf(d, dtype)
+            p = split_experts(load_hf(d, dtype)[1])  # as `k2jax generate` serves on CPU
             model = K2Model(cfg, dtype)
             generate(model, p, prompt, args.new_tokens)  # compile
             tm = {}

@@ -6,6 +6,9 @@ transformers' DeepseekV3ForCausalLM runs in the oracle environment (Python 3.11,
 two are alternated round by round so both see the same machine state. Prints median times, the speed-up, and
 k2jax's achieved GFLOP/s against the measured matmul peak of the same dtype. The weights are random; how
 evenly they spread tokens over the experts matters to both implementations, so the load skew is printed too.
+k2jax runs both param layouts: "stacked" (each projection of the MoE layers' experts one [L, E, D, F] array,
+as checkpoints and training hold them) and "split" (k2jax.split_experts: one array per layer, made once at
+load; the layout `k2jax generate` serves from on CPU, where the scan's slice of a stacked array is a copy).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 
 from common import REPO, forward_flops, matmul_peak, median, time_fn  # noqa: I001
 
-from k2jax import K2Config, K2Model, load_hf
+from k2jax import K2Config, K2Model, load_hf, split_experts
 from tests.oracle.client import Oracle
 
 
@@ -47,27 +50,31 @@ def main():
         base = {"config": hf_cfg, "seed": 0, "bias_scale": args.bias_scale}
         oracle.run(base | {"save": {"dir": tmp, "format": "hf"}})
         for dtype in ("bfloat16", "float32"):
-            _, params = load_hf(tmp, dtype=jnp.dtype(dtype))
+            _, stacked = load_hf(tmp, dtype=jnp.dtype(dtype))
+            layouts = {"stacked": stacked, "split": split_experts(stacked)}
             model = K2Model(cfg, jnp.dtype(dtype))
             fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
             toks = jnp.asarray(tokens, jnp.int32)
-            jax.block_until_ready(fwd(params, toks))
+            for params in layouts.values():
+                jax.block_until_ready(fwd(params, toks))
             if dtype == "bfloat16":
                 print(f"tokens per expert, max / mean over the {cfg.n_routed_experts} experts, by MoE layer: "
-                      + " ".join(f"{r:.2f}" for r in load_skew(model, params, toks)))
+                      + " ".join(f"{r:.2f}" for r in load_skew(model, stacked, toks)))
             oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 1, "repeats": 1}})
-            ours, theirs = [], []
+            ours, theirs = {name: [] for name in layouts}, []
             for _ in range(args.rounds):
                 theirs += list(oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 0,
                                                             "repeats": 1}})["bench.times"])
-                ours += time_fn(fwd, params, toks, repeats=1, warmup=0)
+                for name, params in layouts.items():
+                    ours[name] += time_fn(fwd, params, toks, repeats=1, warmup=0)
             peak = matmul_peak(jnp.dtype(dtype))
-            rows.append((dtype, median(ours), median(theirs), flops / median(ours), peak))
-            del params
-    print(f"\n{'dtype':<9} {'k2jax ms':>9} {'HF ms':>9} {'speed-up':>9} {'k2jax GFLOP/s':>14} "
+            for name in layouts:
+                rows.append((dtype, name, median(ours[name]), median(theirs), flops / median(ours[name]), peak))
+            del stacked, layouts, params
+    print(f"\n{'dtype':<9} {'layout':<8} {'k2jax ms':>9} {'HF ms':>9} {'speed-up':>9} {'k2jax GFLOP/s':>14} "
           f"{'matmul peak':>12} {'of peak':>8}")
-    for dtype, ours, theirs, achieved, peak in rows:
-        print(f"{dtype:<9} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
+    for dtype, name, ours, theirs, achieved, peak in rows:
+        print(f"{dtype:<9} {name:<8} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
               f"{achieved / 1e9:>14.1f} {peak / 1e9:>12.1f} {achieved / peak:>7.0%}")
 
 

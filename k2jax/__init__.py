@@ -4,7 +4,7 @@ from k2jax.checkpoint import load_hf
 from k2jax.checkpoint.orbax_io import load
 from k2jax.config import K2Config
 from k2jax.inference.generate import generate
-from k2jax.nn.model import K2Model, abstract_params, init_params, param_axes
+from k2jax.nn.model import K2Model, abstract_params, init_params, param_axes, split_experts, stack_experts
 from k2jax.sharding import make_mesh, param_shardings, use_mesh
 from k2jax.train import default_optimizer, loss_and_metrics, make_train_step
 
@@ -12,4 +12,4 @@ __version__ = "0.1.0"
 
 __all__ = ["K2Config", "K2Model", "abstract_params", "default_optimizer", "generate", "init_params", "load",
            "load_hf", "loss_and_metrics", "make_mesh", "make_train_step", "param_axes", "param_shardings",
-           "use_mesh", "__version__"]
+           "split_experts", "stack_experts", "use_mesh", "__version__"]

@@ -183,3 +183,24 @@ def test_bad_inputs_raise(kwargs, match):
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
         generate(K2Model(TINY), {}, args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+def test_generate_command_on_one_device(tmp_path):
+    """`k2jax generate --hf-checkpoint` on one CPU device serves the split experts layout: same tokens as
+    generate() on the stacked params."""
+    import subprocess
+    import sys
+
+    import k2jax
+    from k2jax.testing import write_release_checkpoint
+
+    cfg = TINY.replace(num_hidden_layers=4)
+    src = write_release_checkpoint(cfg, tmp_path / "hf", seed=3)
+    prompt = PROMPTS[1]
+    p = subprocess.run([sys.executable, "-m", "k2jax.cli", "generate", "--hf-checkpoint", str(src), "--dtype",
+                        "float32", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(NEW),
+                        "--no-stop"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    _, params = k2jax.load_hf(src, dtype=jnp.float32)
+    want, _ = generate(K2Model(cfg), params, [prompt], NEW)
+    assert ",".join(map(str, want[0])) in p.stdout.splitlines(), p.stdout

@@ -3,8 +3,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from k2jax import K2Config, K2Model, abstract_params, init_params
+from k2jax import K2Config, K2Model, abstract_params, init_params, make_mesh, split_experts, stack_experts, use_mesh
 from k2jax.nn.block import DecoderBlock
 from k2jax.nn.norm import rms_norm
 from tests.conftest import CONFIGS
@@ -86,3 +87,26 @@ def test_program_size_does_not_grow_with_depth():
         text = jax.jit(lambda p, t: K2Model(cfg, jnp.bfloat16).apply({"params": p}, t)).lower(params, tokens).as_text()
         sizes.append(len(text))
     assert abs(sizes[1] - sizes[0]) < 0.02 * sizes[0], sizes
+
+
+def test_split_experts_layout_gives_the_same_model():
+    """Per-layer expert arrays (a switch on the layer index) == the stacked layout, each layer with its own
+    experts; stack_experts restores the params exactly; a mesh is refused."""
+    cfg = TINY.replace(num_hidden_layers=4)  # 3 MoE layers
+    rng = np.random.default_rng(7)
+    params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape), s.dtype), abstract_params(cfg))
+    split = split_experts(params)
+    assert "experts" not in split["moe_layers"]["mlp"]
+    stacked_up = params["moe_layers"]["mlp"]["experts"]["up_proj"]
+    assert [a.shape for a in split["moe_layers_experts"]["up_proj"]] == [stacked_up.shape[1:]] * 3
+    model = K2Model(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 9), 0, cfg.vocab_size)
+    fwd = jax.jit(lambda p: model.apply({"params": p}, tokens))
+    np.testing.assert_allclose(fwd(split), fwd(params), atol=1e-6, rtol=1e-6)
+    # Swapping two layers' experts must change the output: the switch does pick per layer.
+    swapped = split | {"moe_layers_experts": jax.tree.map(lambda t: (t[1], t[0], t[2]), split["moe_layers_experts"],
+                                                          is_leaf=lambda t: isinstance(t, tuple))}
+    assert not np.allclose(fwd(swapped), fwd(params), atol=1e-3)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), stack_experts(split), params))
+    with use_mesh(make_mesh("expert=4,tensor=2")), pytest.raises(ValueError, match="single-device layout"):
+        model.apply({"params": split}, tokens)

@@ -16,7 +16,7 @@ class DecoderBlock(nn.Module):
     """(x [B, T, D], positions [B, T], mask) -> (x [B, T, D], kv); the pair form suits nn.scan.
 
     `mode`, `mask`, `cache`, `index` and kv as in MLA: kv is None in "full" and "causal" modes, the new latents in
-    "prefill", the updated layer cache in "decode".
+    "prefill", the updated layer cache in "decode". `experts` and `layer`: see MoE (per-layer expert arrays).
     """
 
     cfg: K2Config
@@ -26,7 +26,7 @@ class DecoderBlock(nn.Module):
     mode: str = "full"
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None):
+    def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None, experts=None, layer=None):
         cfg, dt = self.cfg, self.param_dtype
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
@@ -35,8 +35,7 @@ class DecoderBlock(nn.Module):
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)
         if self.moe:
-            ffn = MoE(cfg, dt, self.moe_impl, name="mlp")
+            x_BTD = x_BTD + MoE(cfg, dt, self.moe_impl, name="mlp")(h_BTD, experts, layer)
         else:
-            ffn = MLP(cfg.intermediate_size, dt, name="mlp")
-        x_BTD = x_BTD + ffn(h_BTD)
+            x_BTD = x_BTD + MLP(cfg.intermediate_size, dt, name="mlp")(h_BTD)
         return nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed")), kv

@@ -67,12 +67,16 @@ class K2Model(nn.Module):
         embed_VD = param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
                          nn.initializers.normal(1.0))
         x_BTD = embed_VD[tokens_BT]
+        # Per-layer expert arrays (split_experts) go to the blocks whole, with each layer's index.
+        split = self.get_variable("params", SPLIT_EXPERTS) if self.has_variable("params", SPLIT_EXPERTS) else None
         kv = {}
         for name, n, moe in (("dense_layers", cfg.num_dense_layers, False),
                              ("moe_layers", cfg.num_moe_layers, True)):
             if n:
                 blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, mode, name=name)
-                x_BTD, kv[name] = blocks(x_BTD, positions_BT, mask, None if cache is None else cache[name], index)
+                experts, layer = (split, jnp.arange(n)) if moe and split is not None else (None, None)
+                x_BTD, kv[name] = blocks(x_BTD, positions_BT, mask, None if cache is None else cache[name], index,
+                                         experts, layer)
         if mode == "prefill":
             x_BTD = x_BTD[:, -1:]  # only the next token's logits are wanted (T x V would not fit for long prompts)
         x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)
@@ -109,8 +113,54 @@ def scanned_blocks(length: int, remat: str = "none"):
     if remat != "none":
         block = nn.remat(DecoderBlock, policy=REMAT_POLICIES[remat], prevent_cse=False)  # scan stops CSE
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=length,
+                   in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+# Where split_experts puts the MoE layers' routed experts: {"gate_proj": (L arrays [E, D, F]), ...}.
+SPLIT_EXPERTS = "moe_layers_experts"
+_EXPERT_PATH = ("moe_layers", "mlp", "experts")
+
+
+def split_experts(params):
+    """The same model with the MoE layers' routed experts held as one array per layer instead of one stacked
+    [L, E, D, F] array: a faster layout for inference on XLA:CPU, where the scan's per-layer slice of a
+    stacked array is a copy (a layer's whole expert stack, for each forward). Each layer's experts then run
+    in their own branch of a `lax.switch` on the layer index, reading that layer's arrays in place.
+
+    For inference on one device: train on the stacked layout (under grad, each layer's backward pass would
+    add zeros into every other layer's expert gradients), and shard it (k2jax.sharding) too. The result holds
+    new arrays; drop the stacked params to free their memory. `stack_experts` undoes it.
+    """
+    stacked = _subtree(params, _EXPERT_PATH)
+    return _replace(params, _EXPERT_PATH, None) | {
+        SPLIT_EXPERTS: {k: tuple(v[i] for i in range(v.shape[0])) for k, v in stacked.items()}}
+
+
+def stack_experts(params):
+    """Inverse of split_experts: the stacked layout that checkpoints, sharding and training use."""
+    split = params[SPLIT_EXPERTS]
+    rest = {k: v for k, v in params.items() if k != SPLIT_EXPERTS}
+    return _replace(rest, _EXPERT_PATH, {k: jnp.stack(v) for k, v in split.items()})
+
+
+def _subtree(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _replace(tree, path, value):
+    """A copy of the nested dict `tree` with tree[path] set to value (removed when value is None)."""
+    tree = dict(tree)
+    if len(path) == 1:
+        if value is None:
+            del tree[path[0]]
+        else:
+            tree[path[0]] = value
+        return tree
+    tree[path[0]] = _replace(tree[path[0]], path[1:], value)
+    return tree
 
 
 def init_params(cfg: K2Config, rng=None, param_dtype=jnp.float32, moe_impl="auto"):

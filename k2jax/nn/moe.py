@@ -120,25 +120,41 @@ class MoE(nn.Module):
     capacity: int | None = None  # CPU grouped path: rows per expert in the batched matmul (None: by shape)
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, experts=None, layer=None):
+        """experts, layer: every MoE layer's routed experts as separate arrays ({"gate_proj": (L arrays
+        [E, D, F]), ...}; see k2jax.nn.model.split_experts) and this layer's index, a traced int. The
+        layer's experts then run in its branch of a switch, which reads them in place; without them the
+        experts are this module's params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         idx_TK, weight_TK = Router(cfg, name="gate")(x_TD, B)
-        w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
         impl = self.impl
         if impl == "auto":
             impl = "tiled" if jax.default_backend() == "cpu" else "ragged"
-        if impl == "dense":
-            y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
-        elif impl in ("tiled", "ragged") and jax.sharding.get_abstract_mesh().size > 1:
-            from k2jax.expert_parallel import moe_expert_parallel  # under a mesh (k2jax.sharding.use_mesh)
-
-            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
-        elif impl in ("tiled", "ragged"):
-            y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity)
-        else:
+        if impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
+        sharded = jax.sharding.get_abstract_mesh().size > 1
+
+        def routed(x_TD, idx_TK, weight_TK, w):
+            if impl == "dense":
+                return moe_dense(x_TD, idx_TK, weight_TK, *w)
+            if sharded:
+                from k2jax.expert_parallel import moe_expert_parallel  # under a mesh (k2jax.sharding.use_mesh)
+
+                return moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
+            return moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity)
+
+        if experts is None:
+            w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
+            y_TD = routed(x_TD, idx_TK, weight_TK, w)
+        else:
+            if sharded:
+                raise ValueError("per-layer expert arrays (split_experts) are a single-device layout; "
+                                 "under a mesh use the stacked params")
+            branches = [lambda x, i, wt, w=w: routed(x, i, wt, w)
+                        for w in zip(experts["gate_proj"], experts["up_proj"], experts["down_proj"])]
+            y_TD = jax.lax.switch(layer, branches, x_TD, idx_TK, weight_TK)
         y_BTD = y_TD.reshape(B, T, D)
         if cfg.n_shared_experts:
             y_BTD = y_BTD + MLP(cfg.shared_intermediate_size, self.param_dtype, name="shared_experts")(x_BTD)
