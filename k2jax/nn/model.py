@@ -132,9 +132,13 @@ def split_experts(params):
     add zeros into every other layer's expert gradients), and shard it (k2jax.sharding) too. The result holds
     new arrays; drop the stacked params to free their memory. `stack_experts` undoes it.
     """
+    def layers(v):  # abstract params (jax.ShapeDtypeStruct) split too, for ahead-of-time compiles
+        if isinstance(v, jax.ShapeDtypeStruct):
+            return (jax.ShapeDtypeStruct(v.shape[1:], v.dtype),) * v.shape[0]
+        return tuple(v[i] for i in range(v.shape[0]))
+
     stacked = _subtree(params, _EXPERT_PATH)
-    return _replace(params, _EXPERT_PATH, None) | {
-        SPLIT_EXPERTS: {k: tuple(v[i] for i in range(v.shape[0])) for k, v in stacked.items()}}
+    return _replace(params, _EXPERT_PATH, None) | {SPLIT_EXPERTS: {k: layers(v) for k, v in stacked.items()}}
 
 
 def stack_experts(params):
