@@ -2,8 +2,8 @@
 k_pe [B, S, P] (K2_REFERENCE.md §3: 576 values per token per layer for Kimi K2, nothing per head).
 
 Layout: {group: {"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}} for group in dense_layers / moe_layers, each
-stacked on the leading layer axis of its params so nn.scan walks (params, cache) together. Leaves are in the
-params' dtype. With a mesh the batch axis is split over 'data'.
+stacked on a leading layer axis like its params (block l reads [l]). Leaves are in the params' dtype. With a
+mesh the batch axis is split over 'data'.
 """
 
 from __future__ import annotations

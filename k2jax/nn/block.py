@@ -15,8 +15,9 @@ from k2jax.nn.norm import RMSNorm
 class DecoderBlock(nn.Module):
     """(x [B, T, D], positions [B, T], mask) -> (x [B, T, D], kv); the pair form suits nn.scan.
 
-    `mode`, `mask`, `cache`, `index` and kv as in MLA: kv is None in "full" and "causal" modes, the new latents in
-    "prefill", the updated layer cache in "decode". `experts` and `layer`: see MoE (per-layer expert arrays).
+    `mode`, `mask`, `index` and kv as in MLA: kv is None in "full" and "causal" modes, the new tokens' latents
+    otherwise. `layer` is this block's index in its group: decode's `cache` holds the whole group
+    ({"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}) and the block reads its layer's part; `experts`: see MoE.
     """
 
     cfg: K2Config
@@ -30,6 +31,8 @@ class DecoderBlock(nn.Module):
         cfg, dt = self.cfg, self.param_dtype
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
+        if cache is not None:
+            cache = {k: v[layer] for k, v in cache.items()}
         attn = MLA(cfg, dt, self.mode, name="self_attn")(h_BTD, positions_BT, mask, cache, index)
         attn_BTD, kv = (attn, None) if self.mode in ("full", "causal") else attn
         x_BTD = x_BTD + attn_BTD

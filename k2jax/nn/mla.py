@@ -29,8 +29,9 @@ class MLA(nn.Module):
       above the diagonal (k2jax.inference.attention) -> out. What K2Model's forward runs.
     - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.inference.attention)
       -> (out, {"ckv": [B, T, R], "k_pe": [B, T, P]}), the latents to cache.
-    - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]}, the T tokens' latents are written at cache slots
-      index..index+T-1, then absorbed attention over the cache under mask [B, T, S] -> (out, updated cache).
+    - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]} (this layer's), the T tokens' latents placed at
+      slots index..index+T-1 of it, then absorbed attention over it under mask [B, T, S] -> (out, the T
+      tokens' latents {"ckv": [B, T, R], "k_pe": [B, T, P]}: the caller writes them into its cache).
       "decode_expanded": the same with expanded attention (the reference; bench/decode.py times both).
     """
 
@@ -75,10 +76,10 @@ class MLA(nn.Module):
         if self.mode == "prefill":
             out_BTNV, kv = attend_blocked(*attn), {"ckv": ckv_BSR, "k_pe": k_pe_BSP}
         elif self.mode in ("decode", "decode_expanded"):
-            kv = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], new.astype(cache[k].dtype), index, axis=1)
-                  for k, new in (("ckv", ckv_BSR), ("k_pe", k_pe_BSP))}
+            kv = {"ckv": ckv_BSR.astype(cache["ckv"].dtype), "k_pe": k_pe_BSP.astype(cache["k_pe"].dtype)}
+            seen = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], kv[k], index, axis=1) for k in kv}
             attend = attend_absorbed if self.mode == "decode" else attend_expanded
-            out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, kv["ckv"], kv["k_pe"], w_kv_b_RNX, mask, cfg.softmax_scale)
+            out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, seen["ckv"], seen["k_pe"], w_kv_b_RNX, mask, cfg.softmax_scale)
         else:
             raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
         return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD), kv

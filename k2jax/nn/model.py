@@ -53,12 +53,19 @@ class K2Model(nn.Module):
         """Run T new tokens per row against a cache ({group: {"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}},
         see k2jax.inference.cache): their latents are written at slots index..index+T-1; slot s is visible
         to new token t iff kv_valid[b, s] and s <= index + t. -> (logits [B, T, V], updated cache).
-        absorbed=False expands the cache per head instead (the reference form; same numbers, slower)."""
+        absorbed=False expands the cache per head instead (the reference form; same numbers, slower).
+
+        The layers read the cache and return only the new latents, written in after the last layer: a
+        cache scanned in and out with the layers would be copied whole on every step (at batch 16 and an
+        8k context, most of the step's time on XLA:CPU). Donate the cache to update it in place."""
         T, S = tokens_BT.shape[1], kv_valid_BS.shape[1]
         causal_TS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
         mask_BTS = kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
-        return self.forward(tokens_BT, positions_BT, mask_BTS, cache, index,
-                            mode="decode" if absorbed else "decode_expanded")
+        logits_BTV, new = self.forward(tokens_BT, positions_BT, mask_BTS, cache, index,
+                                       mode="decode" if absorbed else "decode_expanded")
+        cache = jax.tree.map(lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=2),
+                             cache, new)
+        return logits_BTV, cache
 
     @nn.compact
     def forward(self, tokens_BT, positions_BT, mask, cache=None, index=None, mode="full"):
@@ -74,9 +81,9 @@ class K2Model(nn.Module):
                              ("moe_layers", cfg.num_moe_layers, True)):
             if n:
                 blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, mode, name=name)
-                experts, layer = (split, jnp.arange(n)) if moe and split is not None else (None, None)
+                experts = split if moe else None
                 x_BTD, kv[name] = blocks(x_BTD, positions_BT, mask, None if cache is None else cache[name], index,
-                                         experts, layer)
+                                         experts, jnp.arange(n))
         if mode == "prefill":
             x_BTD = x_BTD[:, -1:]  # only the next token's logits are wanted (T x V would not fit for long prompts)
         x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)
@@ -104,8 +111,8 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
 
 def scanned_blocks(length: int, remat: str = "none"):
     """DecoderBlock repeated `length` times under nn.scan: params stacked on a leading, unsharded 'layers'
-    axis, so compile time does not grow with depth. A decode cache is scanned over with the params (its
-    leaves stacked on the same leading axis); positions, mask and cache index are shared by all layers.
+    axis, so compile time does not grow with depth. Each block gets its layer index; positions, mask, the
+    decode cache (read-only; stacked on the same leading axis) and its index are shared by all layers.
     Sown intermediates (router statistics) are stacked on the layer axis too. remat: see REMAT_POLICIES."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat policy must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
@@ -113,7 +120,7 @@ def scanned_blocks(length: int, remat: str = "none"):
     if remat != "none":
         block = nn.remat(DecoderBlock, policy=REMAT_POLICIES[remat], prevent_cse=False)  # scan stops CSE
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, nn.broadcast, 0), length=length,
+                   in_axes=(nn.broadcast,) * 5 + (0,), length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 
