@@ -152,9 +152,15 @@ class MoE(nn.Module):
             if sharded:
                 raise ValueError("per-layer expert arrays (split_experts) are a single-device layout; "
                                  "under a mesh use the stacked params")
-            branches = [lambda x, i, wt, w=w: routed(x, i, wt, w)
-                        for w in zip(experts["gate_proj"], experts["up_proj"], experts["down_proj"])]
-            y_TD = jax.lax.switch(layer, branches, x_TD, idx_TK, weight_TK)
+            layers = list(zip(experts["gate_proj"], experts["up_proj"], experts["down_proj"]))
+            if impl == "tiled":  # the routing's index work outside the switch: compiled once, not per layer
+                run = grouped_dispatch(idx_TK, weight_TK, cfg.n_routed_experts, capacity=self.capacity,
+                                       tile=self.tile)
+                branches = [lambda x, w=w: run(x.astype(w[0].dtype), *w) for w in layers]
+                y_TD = jax.lax.switch(layer, branches, x_TD)
+            else:
+                branches = [lambda x, i, wt, w=w: routed(x, i, wt, w) for w in layers]
+                y_TD = jax.lax.switch(layer, branches, x_TD, idx_TK, weight_TK)
         y_BTD = y_TD.reshape(B, T, D)
         if cfg.n_shared_experts:
             y_BTD = y_BTD + MLP(cfg.shared_intermediate_size, self.param_dtype, name="shared_experts")(x_BTD)
@@ -241,17 +247,29 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
       on XLA:CPU taking a layer's expert stack out of the scanned params for a matmul copies all of it,
       where a gather reads only the rows it needs.
     """
-    T, D = x_TD.shape
-    K, E = idx_TK.shape[1], gate_EDF.shape[0]
+    dispatch = grouped_dispatch(idx_TK, weight_TK, gate_EDF.shape[0], capacity=capacity, tile=tile)
+    return dispatch(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype)
+
+
+def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
+    """grouped_moe in two steps: the routing's index work here, once; the returned
+    `run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None) -> [T, D]` does the expert work. Several expert
+    sets can then share one dispatch (k2jax.nn.model.split_experts: a switch branch per layer holds only the
+    expert work, so compiling a branch per layer costs less)."""
+    T, K = idx_TK.shape
     M = T * K
-    dt = x_TD.dtype if out_dtype is None else out_dtype
     if capacity is None and 4 * M <= E:
         weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
-        return _gathered_moe(x_TD, jnp.minimum(idx_TK, E - 1), weight_TK, gate_EDF, up_EDF, down_EFD).astype(dt)
+        idx_TK = jnp.minimum(idx_TK, E - 1)
+
+        def run_gathered(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
+            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)
+            return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
+
+        return run_gathered
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile
-    x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
 
     flat_M = idx_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> assignment
@@ -264,34 +282,42 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     # Capacity part: slot e*C + rank; rows past capacity get slot E*C and take no part.
     in_cap_M = here_M & (rank_sorted_M < C)
     slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
-    y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
     if C:
         src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C]
-        y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
         slot_TK = jnp.zeros(M, jnp.int32).at[order_M].set(slot_sorted_M.astype(jnp.int32)).reshape(T, K)
-        # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
-        got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
-        y_TD = _combine(got_TKD, weight_TK)
 
     # Overflow part: at most M - C rows, over at most min(E, M // (C + 1)) experts (static bound on tiles).
     over_rows = M - C if C else M
     over_experts = min(E, M // (C + 1))
-    if over_rows <= 0 or over_experts == 0:
-        return y_TD.astype(dt)
-    n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
-    padded_E = -(-jnp.maximum(sizes_E - C, 0) // tile) * tile
-    pad_end_E = jnp.cumsum(padded_E)
-    pos_sorted_M = jnp.where(here_M & ~in_cap_M, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C,
-                             n_tiles * tile)
-    src_P = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(tok_sorted_M, mode="drop")
-    w_P = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
-        weight_TK.reshape(-1)[order_M], mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
-    n_active = pad_end_E[-1] // tile
-    y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
-    y_ext = _tile_loop(x_ext, y_ext, src_P.reshape(n_tiles, tile), w_P.reshape(n_tiles, tile), tile_expert,
-                       n_active, gate_EDF, up_EDF, down_EFD)
-    return y_ext[:T].astype(dt)
+    overflow = over_rows > 0 and over_experts > 0
+    if overflow:
+        n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
+        padded_E = -(-jnp.maximum(sizes_E - C, 0) // tile) * tile
+        pad_end_E = jnp.cumsum(padded_E)
+        pos_sorted_M = jnp.where(here_M & ~in_cap_M, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C,
+                                 n_tiles * tile)
+        src_nC = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(
+            tok_sorted_M, mode="drop").reshape(n_tiles, tile)
+        w_nC = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
+            weight_TK.reshape(-1)[order_M], mode="drop").reshape(n_tiles, tile)
+        tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
+        n_active = pad_end_E[-1] // tile
+
+    def run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
+        D = x_TD.shape[1]
+        x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
+        y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
+        if C:
+            y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
+            # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
+            got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
+            y_TD = _combine(got_TKD, weight_TK)
+        if overflow:
+            y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
+            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, tile_expert, n_active, gate_EDF, up_EDF, down_EFD)[:T]
+        return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
+
+    return run
 
 
 def _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
