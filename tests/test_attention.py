@@ -13,7 +13,7 @@ from tests.conftest import CONFIGS
 
 B, N, K, P, V, R = 2, 3, 16, 8, 12, 20
 SCALE = 0.17
-blocked = jax.jit(attend_blocked, static_argnames="block")
+blocked = jax.jit(attend_blocked, static_argnames=("block", "unroll_blocks"))
 absorbed = jax.jit(attend_absorbed)
 
 
@@ -24,18 +24,20 @@ def _inputs(T, S, seed=0):
             jax.random.normal(ks[4], (R, N, K + V)) * 0.3)
 
 
+@pytest.mark.parametrize("unroll", [0, 4])  # the scanned tiles, the unrolled query blocks
 @pytest.mark.parametrize("T", [24, 21, 5])  # a multiple of the block, not one, shorter than one block
-def test_blocked_prefill_equals_plain(T):
+def test_blocked_prefill_equals_plain(T, unroll):
     q_nope, q_pe, ckv, k_pe, w = _inputs(T, T)
     # Row 0 left-padded by 4 (its first keys invalid), row 1 all valid.
     valid = jnp.arange(T)[None, :] >= jnp.array([[min(4, T - 1)], [0]])
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
     want = attend_expanded(q_nope, q_pe, ckv, k_pe, w, mask, SCALE)
-    got = np.asarray(blocked(q_nope, q_pe, ckv, k_pe, w, valid, SCALE, block=8))
+    got = np.asarray(blocked(q_nope, q_pe, ckv, k_pe, w, valid, SCALE, block=8, unroll_blocks=unroll))
     rows = np.asarray(mask.any(-1))  # query rows that see at least one key (padding rows are never used)
     np.testing.assert_allclose(got[rows], np.asarray(want)[rows], atol=1e-5, rtol=1e-5)
     # Causality: changing the last key changes only the last query row.
-    got2 = np.asarray(blocked(q_nope, q_pe, ckv.at[:, -1].add(1.0), k_pe, w, valid, SCALE, block=8))
+    got2 = np.asarray(blocked(q_nope, q_pe, ckv.at[:, -1].add(1.0), k_pe, w, valid, SCALE, block=8,
+                               unroll_blocks=unroll))
     np.testing.assert_allclose(got2[:, :-1][rows[:, :-1]], got[:, :-1][rows[:, :-1]], atol=1e-6)
     assert not np.allclose(got2[:, -1], got[:, -1])
 

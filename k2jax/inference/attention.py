@@ -43,7 +43,7 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
 
 
 def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
-                   block: int = DEFAULT_BLOCK):
+                   block: int = DEFAULT_BLOCK, unroll_blocks: int = 4):
     """Causal self-attention of T tokens over themselves, in [block × block] tiles with an online softmax.
 
     Keys and values are expanded per head once ([B, N, T, X], linear in T); the score tiles are the only
@@ -51,6 +51,10 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
     fixed-length scan, so the kernel is differentiable and serves training too). Query t sees key s iff
     s <= t and kv_valid[b, s]. Equals attend_expanded with mask tril & kv_valid on every query row that sees
     at least one key (padding rows see none; what they get does not reach the real rows).
+
+    Up to `unroll_blocks` query blocks (short prompts; the bench forward's 512 tokens), the blocks are
+    unrolled instead: each query block against the keys up to its diagonal with a plain softmax, no loop
+    and no online rescaling (measured 8.0 -> 5.8 ms per layer at 512 tokens, bench config, bf16).
 
     q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, T, R], k_pe [B, T, P], w_kv_b [R, N, K + V],
     kv_valid [B, T] bool -> [B, T, N, V].
@@ -68,6 +72,8 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
     q_BNTH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1).transpose(0, 2, 1, 3)
     q_BNTH = (q_BNTH.astype(f32) * scale).astype(dt)
     k_BNTH = jnp.concatenate([kv_BNTX[..., :K], jnp.broadcast_to(k_pe_BTP[:, None].astype(dt), (B, N, T, P))], -1)
+    if nb <= unroll_blocks:
+        return _unrolled_blocks(q_BNTH, k_BNTH, kv_BNTX[..., K:], kv_valid_BT.astype(bool), block)
 
     def blocks(x):  # [B, N, T, X] -> [nb, B, N, block, X], padded at the end
         x = jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
@@ -102,3 +108,20 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
 
     out_nBNcV = jax.lax.map(query_block, jnp.arange(nb))
     return jnp.moveaxis(out_nBNcV, 0, 2).reshape(B, N, nb * block, V)[:, :, :T].transpose(0, 2, 1, 3)
+
+
+def _unrolled_blocks(q_BNTH, k_BNSH, v_BNSV, kv_valid_BS, block):
+    """attend_blocked's short-prompt form: query block i against keys [0, end of block i), plain softmax
+    (scores [B, N, block, ≤ T] in float32) -> [B, T, N, V]."""
+    T = q_BNTH.shape[2]
+    f32, dt = jnp.float32, v_BNSV.dtype
+    outs = []
+    for start in range(0, T, block):
+        end = min(T, start + block)
+        s_BNcS = jnp.einsum("BNTH,BNSH->BNTS", q_BNTH[:, :, start:end], k_BNSH[:, :, :end],
+                            preferred_element_type=f32)
+        see_BcS = kv_valid_BS[:, None, :end] & (jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :])
+        s_BNcS = jnp.where(see_BcS[:, None], s_BNcS, _NEG_INF)
+        p_BNcS = jax.nn.softmax(s_BNcS, axis=-1).astype(dt)
+        outs.append(jnp.einsum("BNTS,BNSV->BNTV", p_BNcS, v_BNSV[:, :, :end], preferred_element_type=f32))
+    return jnp.concatenate(outs, 2).astype(dt).transpose(0, 2, 1, 3)
