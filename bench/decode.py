@@ -23,20 +23,12 @@ from common import REPO, median, time_fn  # noqa: F401  (also puts the repo on s
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from k2jax import K2Config, K2Model, abstract_params, generate, load_hf, split_experts
+from k2jax import K2Config, K2Model, generate, load_hf, split_experts
 from k2jax.inference.cache import cache_bytes, cache_shapes
-from k2jax.testing import prefill_memory
+from k2jax.testing import prefill_memory, random_params
 
 CONFIGS = os.path.join(REPO, "configs")
-
-
-def random_params(cfg, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(1 + 0.1 * rng.standard_normal(s.shape) if len(s.shape) == 1
-                                              else 0.05 * rng.standard_normal(s.shape), s.dtype),
-                        abstract_params(cfg, dtype))
 
 
 def decode_step_times(cfg, params, batch, context, repeats, expanded=True):
@@ -86,7 +78,7 @@ def main():
 
     print("\n== decode step (whole model, one token per sequence), ms: absorbed vs expanded, on the split "
           "experts layout `k2jax generate` serves from on CPU; last column: absorbed on the stacked layout")
-    stacked = random_params(cfg, jnp.bfloat16)
+    stacked = random_params(cfg, jnp.bfloat16, scale=0.05)
     params = split_experts(stacked)
     print(f"{'batch':>5} {'context':>7} {'absorbed':>9} {'expanded':>9} {'exp/abs':>8} {'stacked':>8}")
     for b in map(int, args.batches.split(",")):

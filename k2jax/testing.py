@@ -81,6 +81,20 @@ def _values(name: str, cfg: K2Config, seed: int, block, fast: bool) -> dict[str,
     return {name: x.astype(BF16)}
 
 
+def random_params(cfg: K2Config, dtype=np.float32, seed: int = 0, scale: float = 0.15):
+    """Random params without compiling an init (jax.eval_shape of the model): vectors (norms, router bias)
+    near 1, matrices ~N(0, scale²). The default scale separates logits well (no greedy ties)."""
+    import jax
+    import jax.numpy as jnp
+
+    from k2jax.nn.model import abstract_params
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(1 + 0.1 * rng.standard_normal(s.shape) if len(s.shape) == 1
+                                              else scale * rng.standard_normal(s.shape), s.dtype),
+                        abstract_params(cfg, dtype))
+
+
 def write_release_checkpoint(cfg: K2Config | dict | str | os.PathLike, path: str | os.PathLike,
                              num_shards: int | None = None, seed: int = 0, block=DEFAULT_BLOCK,
                              fast: bool = False, shard_bytes: int = 1 << 30) -> pathlib.Path:

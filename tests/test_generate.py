@@ -9,20 +9,12 @@ import pytest
 from k2jax import K2Config, K2Model, abstract_params, generate
 from k2jax.inference.cache import cache_bytes, cache_shapes
 from k2jax.inference.generate import PAD_ID, bucket_length
+from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
 TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")
 PROMPTS = [[5, 6, 7], list(range(20, 31)), [42]]  # lengths 3, 11, 1: one bucket of 16
 NEW = 6  # every generate call here uses (3 prompts, bucket 16, NEW tokens): compiled once for the module
-
-
-def random_params(cfg, seed=0):
-    """Random params without compiling an init: vectors (norms, router bias) near 1, matrices ~N(0, 0.15²)
-    (well separated logits: no greedy ties)."""
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(1 + 0.1 * rng.standard_normal(s.shape) if len(s.shape) == 1
-                                              else 0.15 * rng.standard_normal(s.shape), s.dtype),
-                        abstract_params(cfg))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 from k2jax import K2Config, K2Model, abstract_params, init_params, make_mesh, split_experts, stack_experts, use_mesh
 from k2jax.nn.block import DecoderBlock
 from k2jax.nn.norm import rms_norm
+from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
 TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")
@@ -15,7 +16,7 @@ TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")
 
 def test_scan_equals_blocks_one_by_one():
     cfg = TINY.replace(first_k_dense_replace=2, num_hidden_layers=5)
-    params = init_params(cfg, jax.random.PRNGKey(3))
+    params = random_params(cfg, seed=3)
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 7), 0, cfg.vocab_size)
     logits = K2Model(cfg).apply({"params": params}, tokens)
 
@@ -23,33 +24,35 @@ def test_scan_equals_blocks_one_by_one():
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((7, 7), bool)), (2, 7, 7))
     for group, n, moe in (("dense_layers", 2, False), ("moe_layers", 3, True)):
+        block = jax.jit(DecoderBlock(cfg, moe).apply)  # one compile per kind of block, not op by op
         for i in range(n):
             layer = jax.tree_util.tree_map(lambda a: a[i], params[group])
-            x, _ = DecoderBlock(cfg, moe).apply({"params": layer}, x, pos, mask)
+            x, _ = block({"params": layer}, x, pos, mask)
     x = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
     np.testing.assert_allclose(logits, x @ params["lm_head"], atol=1e-5, rtol=1e-5)
 
 
 def test_positions_and_padding_mask():
-    params = init_params(TINY, jax.random.PRNGKey(0))
+    params = random_params(TINY)
     model = K2Model(TINY)
+    apply = jax.jit(model.apply)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, TINY.vocab_size)
-    full = model.apply({"params": params}, tokens)
+    full = apply({"params": params}, tokens)
     # Left padding with a mask and shifted positions gives the unpadded logits.
     padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), tokens], axis=1)
     mask = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
     pos = jnp.maximum(jnp.arange(9) - 3, 0)[None]
-    out = model.apply({"params": params}, padded, pos, mask)
+    out = apply({"params": params}, padded, pos, mask)
     np.testing.assert_allclose(out[:, 3:], full, atol=1e-5, rtol=1e-5)
     # Causality: changing the last token leaves earlier logits alone.
-    other = model.apply({"params": params}, tokens.at[0, -1].set((tokens[0, -1] + 1) % TINY.vocab_size))
+    other = apply({"params": params}, tokens.at[0, -1].set((tokens[0, -1] + 1) % TINY.vocab_size))
     np.testing.assert_allclose(other[:, :-1], full[:, :-1], atol=1e-6)
     assert not np.allclose(other[:, -1], full[:, -1])
 
 
 def test_blocked_forward_equals_reference_over_several_blocks():
     # 300 tokens: two attention blocks, the second partial, tiles above the diagonal skipped.
-    params = init_params(TINY, jax.random.PRNGKey(5))
+    params = random_params(TINY, seed=5)
     model = K2Model(TINY)
     tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 300), 0, TINY.vocab_size)
     mask = jnp.ones((2, 300), jnp.int32).at[1, :37].set(0)
@@ -93,8 +96,7 @@ def test_split_experts_layout_gives_the_same_model():
     """Per-layer expert arrays (a switch on the layer index) == the stacked layout, each layer with its own
     experts; stack_experts restores the params exactly; a mesh is refused."""
     cfg = TINY.replace(num_hidden_layers=4)  # 3 MoE layers
-    rng = np.random.default_rng(7)
-    params = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape), s.dtype), abstract_params(cfg))
+    params = random_params(cfg, seed=7)
     split = split_experts(params)
     assert "experts" not in split["moe_layers"]["mlp"]
     stacked_up = params["moe_layers"]["mlp"]["experts"]["up_proj"]
