@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k2jax.nn.model import K2Model, abstract_params
+from k2jax.nn.model import K2Model, abstract_params, subtree, with_subtree
 
 BIAS_PATH = ("moe_layers", "mlp", "gate", "e_score_correction_bias")  # [L, E], moved only by balancing
 NO_DECAY = ("weight", "e_score_correction_bias")  # RMSNorm weights and the router bias
@@ -93,7 +93,7 @@ def loss_and_metrics(model: K2Model, params, batch: dict, *, balance_alpha: floa
     constant (stop_gradient): its gradient is exactly zero.
     """
     cfg = model.cfg
-    params = _with_leaf(params, BIAS_PATH, jax.lax.stop_gradient)
+    params = with_subtree(params, BIAS_PATH, jax.lax.stop_gradient)
     params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, _abstract(cfg, model.param_dtype))
     # The model's logits are not used (nor computed: jit drops them); the final norm's output is taken
     # instead, for the chunked loss above.
@@ -206,10 +206,10 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
         updates, opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         if cfg.num_moe_layers:
-            bias_LE = _get(params, BIAS_PATH)
+            bias_LE = subtree(params, BIAS_PATH)
             if balance_gamma:
                 bias_LE = balance_bias(bias_LE, metrics["load"], balance_gamma)
-            new_params = _with_leaf(new_params, BIAS_PATH, lambda _: bias_LE)
+            new_params = with_subtree(new_params, BIAS_PATH, lambda _: bias_LE)
         return new_params, opt_state, metrics
 
     if mesh is None:
@@ -245,16 +245,3 @@ def _dict_keys(path) -> tuple:
     return tuple(reversed(keys))
 
 
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _with_leaf(tree, path, fn):
-    """A copy of nested dict `tree` with the leaf at `path` replaced by fn(leaf); unchanged if absent."""
-    if not path:
-        return fn(tree)
-    if path[0] not in tree:
-        return tree
-    return {**tree, path[0]: _with_leaf(tree[path[0]], path[1:], fn)}

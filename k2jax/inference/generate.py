@@ -114,8 +114,8 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     included) is split over its 'data' (and 'fsdp') axes and the model runs under k2jax.sharding.use_mesh;
     params already on the mesh keep their shardings (see k2jax.sharding.param_shardings), others are
     replicated. Without a mesh, params in the split experts layout (k2jax.split_experts) run faster on
-    XLA:CPU: `k2jax generate` loads them so. `on_token(tokens [B], active [B])` is called as each token is produced (streaming);
-    `timings`, if a dict, receives compile_s, prefill_s, decode_s and decode_steps. Under jax.distributed
+    XLA:CPU: `k2jax generate` loads them so. `on_token(tokens [B], active [B])` is called as each token is
+    produced (streaming); `timings`, if a dict, receives compile_s, prefill_s, decode_s and decode_steps. Under jax.distributed
     (a mesh over several processes' devices) every process calls it with the same arguments and gets the
     whole result.
 

@@ -144,34 +144,32 @@ def split_experts(params):
             return (jax.ShapeDtypeStruct(v.shape[1:], v.dtype),) * v.shape[0]
         return tuple(v[i] for i in range(v.shape[0]))
 
-    stacked = _subtree(params, _EXPERT_PATH)
-    return _replace(params, _EXPERT_PATH, None) | {SPLIT_EXPERTS: {k: layers(v) for k, v in stacked.items()}}
+    stacked = subtree(params, _EXPERT_PATH)
+    rest = with_subtree(params, _EXPERT_PATH[:-1], lambda mlp: {k: v for k, v in mlp.items() if k != "experts"})
+    return rest | {SPLIT_EXPERTS: {k: layers(v) for k, v in stacked.items()}}
 
 
 def stack_experts(params):
     """Inverse of split_experts: the stacked layout that checkpoints, sharding and training use."""
-    split = params[SPLIT_EXPERTS]
+    stacked = {k: jnp.stack(v) for k, v in params[SPLIT_EXPERTS].items()}
     rest = {k: v for k, v in params.items() if k != SPLIT_EXPERTS}
-    return _replace(rest, _EXPERT_PATH, {k: jnp.stack(v) for k, v in split.items()})
+    return with_subtree(rest, _EXPERT_PATH[:-1], lambda mlp: mlp | {"experts": stacked})
 
 
-def _subtree(tree, path):
+def subtree(tree, path):
+    """tree[path[0]][path[1]]... of a nested dict."""
     for k in path:
         tree = tree[k]
     return tree
 
 
-def _replace(tree, path, value):
-    """A copy of the nested dict `tree` with tree[path] set to value (removed when value is None)."""
-    tree = dict(tree)
-    if len(path) == 1:
-        if value is None:
-            del tree[path[0]]
-        else:
-            tree[path[0]] = value
+def with_subtree(tree, path, fn):
+    """A copy of nested dict `tree` with the subtree at `path` replaced by fn(subtree); unchanged if absent."""
+    if not path:
+        return fn(tree)
+    if path[0] not in tree:
         return tree
-    tree[path[0]] = _replace(tree[path[0]], path[1:], value)
-    return tree
+    return {**tree, path[0]: with_subtree(tree[path[0]], path[1:], fn)}
 
 
 def init_params(cfg: K2Config, rng=None, param_dtype=jnp.float32, moe_impl="auto"):
