@@ -1,0 +1,145 @@
+"""Quantized linear weights held on device: FP8 e4m3 with block scales, INT4 with group scales.
+
+A `QuantizedWeight` stands where a param array would, in k2jax's einsum layout [*lead, *in, *out] (lead: the
+stacked layer / expert axes; in: the contraction dims; out: the rest). Its scales cover blocks of the
+flattened [In, Out] matrix:
+
+    w[..., i, o] = q[..., i, o] * scales[..., i // block_in, o // block_out]
+
+- "fp8":  q float8_e4m3fn, block (128, 128), scales float32 [*lead, ceil(In/128), ceil(Out/128)]: the
+          Kimi-K2-Instruct release (its `weight_scale_inv`, transposed with the weight).
+- "int4": q symmetric int4 in -8..7, block (32, 1) (groups of 32 along the input dim, one scale per output
+          column and group), scales bfloat16 [*lead, In/32, Out]: the Kimi-K2-Thinking release (its
+          `weight_scale`, transposed; bf16 as released: float32 scales would add 2 bits per weight).
+          Stored two values per uint8 along the last (output) axis, low nibble first, each as value + 8,
+          so the held bytes are half an element (XLA:CPU keeps jnp.int4 one per byte).
+
+It is a pytree of (values, scales) with the format static, so it passes through jit, nn.scan's layer
+slicing and shardings; a leading-axis index (`w[layer]`, `w[expert_ids]`) indexes both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FORMATS = {"fp8": (128, 128), "int4": (32, 1)}
+INT4_MAX = 7
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """values: fp8 [*lead, *in, *out] or packed int4 uint8 [*lead, *in, ..., out/2]; scales (float32 for
+    fp8, bfloat16 for int4) [*lead, ceil(In/block_in), ceil(Out/block_out)]; fmt "fp8" | "int4"; in_ndim: how
+    many dims after lead are input dims."""
+
+    values: jax.Array
+    scales: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    in_ndim: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return FORMATS[self.fmt]
+
+    @property
+    def lead_ndim(self) -> int:
+        return self.scales.ndim - 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape."""
+        s = tuple(self.values.shape)
+        return s[:-1] + (2 * s[-1],) if self.fmt == "int4" else s
+
+    @property
+    def ndim(self) -> int:
+        return len(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: values and scales."""
+        return int(self.values.nbytes + self.scales.nbytes)
+
+    def __getitem__(self, idx) -> "QuantizedWeight":
+        """Index the lead axes (layers, experts) of values and scales alike."""
+        return QuantizedWeight(self.values[idx], self.scales[idx], self.fmt, self.in_ndim)
+
+    def dequantize(self, dtype=jnp.float32):
+        """The plain weight [*lead, *in, *out] in `dtype` (computed in float32): the reference."""
+        return dequantize(self, dtype)
+
+
+def _matrix_shape(shape, lead: int, in_ndim: int) -> tuple[int, int]:
+    slot = shape[lead:]
+    return math.prod(slot[:in_ndim]), math.prod(slot[in_ndim:])
+
+
+def unpack_int4(packed):
+    """uint8 [..., n/2] -> int8 [..., n] in -8..7 (low nibble first)."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    lo = (packed & 0xF).astype(xp.int8) - 8
+    hi = (packed >> 4).astype(xp.int8) - 8
+    return xp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def pack_int4(q):
+    """int values in -8..7 [..., n] (n even) -> uint8 [..., n/2] (low nibble first, each stored as value + 8)."""
+    xp = np if isinstance(q, np.ndarray) else jnp
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dim, got shape {tuple(q.shape)}")
+    u = (q.astype(xp.int16) + 8).astype(xp.uint8).reshape(*q.shape[:-1], q.shape[-1] // 2, 2)
+    return u[..., 0] | (u[..., 1] << 4)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32):
+    """w.q * scales broadcast over blocks -> [*lead, *in, *out] in dtype. Works on numpy or jax arrays."""
+    xp = np if isinstance(w.values, np.ndarray) else jnp
+    q = unpack_int4(w.values) if w.fmt == "int4" else w.values
+    lead = w.lead_ndim
+    shape = tuple(q.shape)
+    In, Out = _matrix_shape(shape, lead, w.in_ndim)
+    bi, bo = w.block
+    q2 = q.reshape(*shape[:lead], In, Out).astype(xp.float32)
+    s = xp.repeat(xp.repeat(w.scales.astype(xp.float32), bi, axis=-2)[..., :In, :], bo, axis=-1)[..., :Out]
+    return (q2 * s).reshape(shape).astype(dtype)
+
+
+def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeight:
+    """A plain weight [*lead, *in, *out] -> QuantizedWeight (absmax scaling per block). numpy or jax in.
+
+    fp8: scale = absmax / 448 per 128x128 block; int4: symmetric, scale = absmax / 7 per group of 32 inputs.
+    Lossy: for tests and for requantizing an FP8 source's routed experts to INT4.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantization format {fmt!r} (formats: {', '.join(FORMATS)})")
+    xp = np if isinstance(w, np.ndarray) else jnp
+    shape = tuple(w.shape)
+    lead = shape[:lead_ndim]
+    In, Out = _matrix_shape(shape, lead_ndim, in_ndim)
+    bi, bo = FORMATS[fmt]
+    if fmt == "int4" and In % bi:
+        raise ValueError(f"int4 groups of {bi} must divide the input dim {In} (weight shape {shape})")
+    w2 = w.astype(xp.float32).reshape(*lead, In, Out)
+    pi, po = -In % bi, -Out % bo
+    wp = xp.pad(w2, [(0, 0)] * lead_ndim + [(0, pi), (0, po)])
+    nb_i, nb_o = (In + pi) // bi, (Out + po) // bo
+    blocks = wp.reshape(*lead, nb_i, bi, nb_o, bo)
+    amax = xp.abs(blocks).max(axis=(-3, -1))
+    qmax = 448.0 if fmt == "fp8" else float(INT4_MAX)
+    scales = xp.where(amax > 0, amax / qmax, 1.0).astype(xp.float32)
+    if fmt == "int4":  # round the scale first, so that the values are quantized against the scale kept
+        scales = scales.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16).astype(xp.float32)
+    s = xp.repeat(xp.repeat(scales, bi, axis=-2)[..., :In, :], bo, axis=-1)[..., :Out]
+    if fmt == "fp8":
+        values = (w2 / s).astype(ml_dtypes.float8_e4m3fn if xp is np else jnp.float8_e4m3fn).reshape(shape)
+    else:
+        values = pack_int4(xp.clip(xp.round(w2 / s), -8, INT4_MAX).astype(xp.int8).reshape(shape))
+        scales = scales.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16)
+    return QuantizedWeight(values, scales, fmt, in_ndim)
