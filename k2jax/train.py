@@ -43,7 +43,9 @@ def next_token_targets(tokens_BT, loss_mask_BT=None, attention_mask_BT=None):
         return jnp.concatenate([x_BT[:, 1:], jnp.zeros_like(x_BT[:, :1])], axis=1)
 
     labels_BT = shift(tokens_BT).astype(jnp.int32)
-    w_BT = jnp.ones(tokens_BT.shape, jnp.float32)
+    # The last position has no next token: its weight is 0 whatever masks are given (the shifted masks
+    # would zero it, but with no mask at all it would be trained to predict the filler label 0).
+    w_BT = jnp.ones(tokens_BT.shape, jnp.float32).at[:, -1].set(0.0)
     if loss_mask_BT is not None:
         w_BT = w_BT * shift(loss_mask_BT.astype(jnp.float32))
     if attention_mask_BT is not None:

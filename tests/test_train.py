@@ -137,6 +137,8 @@ def test_next_token_targets():
     labels, w = next_token_targets(tokens, jnp.array([[1, 1, 0, 1]]), jnp.array([[0, 1, 1, 1]]))
     np.testing.assert_array_equal(labels, [[6, 7, 8, 0]])
     np.testing.assert_array_equal(w, [[0, 0, 1, 0]])  # padding predicts nothing; token 2 is not a target
+    _, w = next_token_targets(tokens)  # no masks: every position but the last predicts its next token
+    np.testing.assert_array_equal(w, [[1, 1, 1, 0]])
 
 
 def test_unknown_remat_policy():

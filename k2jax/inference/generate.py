@@ -34,21 +34,24 @@ def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0):
     """Next token ids [B] int32 from float32 logits [B, V]: argmax when temperature == 0, else a draw from
     softmax(logits / temperature) restricted to the top_k ids (0 = all) and, among those, to the smallest set
     holding top_p of the mass (1 = all). The settings may be traced values: changing them recompiles nothing."""
-
-    def draw():
-        x_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-        V = x_BV.shape[-1]
-        sorted_BV = -jnp.sort(-x_BV, axis=-1)
-        rank_V = jnp.arange(V)
-        in_top_k_V = rank_V < jnp.where(top_k > 0, top_k, V)
-        probs_BV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BV, -jnp.inf), axis=-1)
-        # Keep a token while the mass before it is below top_p (the most likely one always stays).
-        keep_BV = in_top_k_V & (jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p)
-        cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-        return jax.random.categorical(key, jnp.where(x_BV < cutoff_B1, -jnp.inf, x_BV), axis=-1)
-
+    draw = lambda: jax.random.categorical(key, filter_logits(logits_BV, temperature, top_k, top_p), axis=-1)  # noqa: E731
     greedy = lambda: jnp.argmax(logits_BV, axis=-1)  # noqa: E731
     return jax.lax.cond(temperature == 0, greedy, draw).astype(jnp.int32)
+
+
+def filter_logits(logits_BV, temperature, top_k=0, top_p=1.0):
+    """float32 logits [B, V] / temperature, with -inf for the ids that top_k (0 = none cut) and top_p (1 = none
+    cut) exclude: what `sample` draws from."""
+    x_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    V = x_BV.shape[-1]
+    sorted_BV = -jnp.sort(-x_BV, axis=-1)
+    in_top_k_V = jnp.arange(V) < jnp.where(top_k > 0, top_k, V)
+    probs_BV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BV, -jnp.inf), axis=-1)
+    # Keep a token while the mass before it is below top_p (the most likely one always stays). top_p = 1
+    # keeps all explicitly: in float32 the running mass reaches 1.0 before the tail does and would cut it.
+    keep_BV = in_top_k_V & ((jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p) | (top_p >= 1.0))
+    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x_BV < cutoff_B1, -jnp.inf, x_BV)
 
 
 def _steps(model: K2Model, max_len: int, max_new_tokens: int, mesh):
