@@ -121,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
     p.add_argument("--mesh", required=True,
                    help="mesh axis sizes, e.g. expert=64,tensor=4 (axes data, fsdp, expert, tensor; absent = 1)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8", "float32"),
-                   help="weight dtype; float8 = the released e4m3 layout with 128x128-block scales (default "
-                        "bfloat16)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8", "int4", "float32"),
+                   help="weights as held on device (values and scales): float8 = the released e4m3 layout with "
+                        "128x128-block scales (load quant='fp8'); int4 = routed experts in 4 bits with a bf16 "
+                        "scale per 32 inputs, the rest bf16 (load quant='int4', Kimi-K2-Thinking); default "
+                        "bfloat16")
     p.add_argument("--batch", type=int, default=0, help="KV cache batch size (with --max-len)")
     p.add_argument("--max-len", type=int, default=0, help="KV cache length in tokens (with --batch)")
     p.add_argument("--reserve", type=float, default=0.1,

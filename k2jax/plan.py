@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k2jax.checkpoint.quantized import quantized_leaves, quantized_shapes
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
 from k2jax.sharding import check_divisible, parse_mesh_spec, param_specs, shard_count
@@ -22,9 +23,11 @@ GiB, GB = 2**30, 10**9
 # Memory per chip / GPU (vendor figures; GiB for TPUs, decimal GB for NVIDIA).
 PARTS = (("TPU v5e", 16 * GiB), ("TPU v6e", 32 * GiB), ("H100", 80 * GB), ("TPU v5p", 95 * GiB),
          ("H200", 141 * GB))
-DTYPES = ("bfloat16", "float8", "float32")
-# FP8 as released: e4m3 weights plus one float32 scale per 128x128 block (4 / 128² bytes per weight).
-FP8_BYTES = 1 + 4 / (128 * 128)
+DTYPES = ("bfloat16", "float8", "int4", "float32")
+# What each dtype holds quantized (k2jax.checkpoint.quantized): FP8 as released, e4m3 + a float32 scale per
+# 128x128 block (1 + 4/128² bytes per weight); INT4 routed experts, 4 bits + a bf16 scale per 32 inputs
+# (0.5 + 2/32 bytes per weight), the rest bf16.
+QUANT = {"float8": "fp8", "int4": "int4"}
 
 
 @dataclasses.dataclass
@@ -66,24 +69,36 @@ def _component(keys: list[str]) -> str:
     return "norms"
 
 
-def _bytes_per_element(keys: list[str], dtype, fp8: bool) -> float:
-    quantized = keys[0] in ("dense_layers", "moe_layers") and keys[-1] != "weight" and "gate" not in keys
-    return FP8_BYTES if fp8 and quantized else jnp.dtype(dtype).itemsize
+def _held_bytes(keys, shape, dtype, spec, quantized, quant, mesh_shape) -> tuple[float, float]:
+    """(bytes on each device, bytes of one copy) of one param as a load holds it: a quantized weight's values
+    sharded like the param, its scales along the stacked axes only (as k2jax.load places them)."""
+    shards = math.prod(shard_count(a, mesh_shape) for a in spec)
+    q = quantized.get(tuple(keys))
+    if q is None:
+        nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+        return nbytes / shards, nbytes
+    stack, in_ndim = q
+    vs, vd, ss, sd = quantized_shapes(tuple(shape), quant, stack, in_ndim)
+    vbytes, sbytes = math.prod(vs) * jnp.dtype(vd).itemsize, math.prod(ss) * jnp.dtype(sd).itemsize
+    scale_shards = math.prod(shard_count(a, mesh_shape) for a in tuple(spec)[:stack])
+    return vbytes / shards + sbytes / scale_shards, vbytes + sbytes
 
 
 def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", batch: int = 0,
          max_len: int = 0) -> Plan:
     """Per-device bytes of `cfg` sharded by k2jax.sharding's rules on `mesh` ("expert=64,tensor=4").
 
-    dtype: "bfloat16", "float32" or "float8" (linear weights of the blocks in the released FP8 layout, the rest
-    bf16; the router stays float32 as the model keeps it). batch, max_len: add the latent KV cache, two tensors
+    dtype: "bfloat16", "float32", "float8" (linear weights of the blocks in the released FP8 layout, the rest
+    bf16; the router stays float32 as the model keeps it) or "int4" (routed experts in INT4 groups of 32 as
+    Kimi-K2-Thinking, the rest bf16): the bytes a `k2jax.load(..., quant=...)` holds, values and scales. batch, max_len: add the latent KV cache, two tensors
     per layer (ckv [B, S, kv_lora_rank], k_pe [B, S, qk_rope_head_dim]) in bf16 (float32 for float32),
     batch sharded on (data, fsdp).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     shape = parse_mesh_spec(mesh)
-    fp8 = dtype == "float8"
+    quant = QUANT.get(dtype)
+    quantized = quantized_leaves(cfg, quant)
     act_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
     shapes = abstract_params(cfg, act_dtype)
     specs = param_specs(cfg)
@@ -95,10 +110,9 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", bat
         leaf = shapes
         for k in keys:
             leaf = leaf[k]
-        nbytes = math.prod(leaf.shape) * _bytes_per_element(keys, leaf.dtype, fp8)
-        shards = math.prod(shard_count(a, shape) for a in spec)
+        dev, nbytes = _held_bytes(keys, leaf.shape, leaf.dtype, spec, quantized, quant, shape)
         name = _component(keys)
-        per_dev[name] = per_dev.get(name, 0) + nbytes / shards
+        per_dev[name] = per_dev.get(name, 0) + dev
         full[name] = full.get(name, 0) + nbytes
     rows = [(name, per_dev[name], full[name]) for name in per_dev]
     if batch or max_len:

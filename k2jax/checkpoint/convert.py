@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from k2jax import distributed as D
+from k2jax.checkpoint import int4 as I4
 from k2jax.checkpoint import names as N
 from k2jax.checkpoint import orbax_io as O
 from k2jax.checkpoint.fp8 import count_nonfinite, dequantize, dequantize_transposed, scale_shape, transpose
@@ -44,7 +45,7 @@ from k2jax.checkpoint.safetensors_io import (INDEX_NAME, SINGLE_NAME, Checkpoint
                                              read_index)
 from k2jax.config import K2Config
 
-DTYPES = ("bfloat16", "float32", "float8")
+DTYPES = ("bfloat16", "float32", "float8", "int4")
 GLOBAL_UNIT = "globals"
 PIECE_BYTES = 64 << 20  # a big tensor is converted in pieces of about this much output (whole chunks)
 # Testing hook: SIGKILL this process after that many tensors are written (tests/test_convert.py).
@@ -106,20 +107,22 @@ def raise_all(problems: list[str], where) -> None:
                            + "\n  - ".join(problems[:MAX_LISTED]) + more)
 
 
-def plan_leaves(cfg: K2Config, dtype: str, block) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Leaf name -> {"shape", "dtype", "chunks"} of the converted tree, and the float8 weights' scale info."""
+def plan_leaves(cfg: K2Config, dtype: str, block) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
+    """Leaf name -> {"shape", "dtype", "chunks"} of the converted tree, and the float8 and int4 weights' scale
+    info (int4: the routed experts as QuantizedWeight holds them, packed uint8 [*stack, in, out/2] + bf16
+    `<name>_scale` [*stack, in/32, out])."""
     import jax
     import jax.numpy as jnp
 
     from k2jax.nn.model import abstract_params
 
-    tree = abstract_params(cfg, jnp.bfloat16 if dtype == "float8" else jnp.dtype(dtype))
+    tree = abstract_params(cfg, jnp.bfloat16 if dtype in ("float8", "int4") else jnp.dtype(dtype))
     info = {}  # leaf -> Target of one of its tensors (the rule decides fp8 / transform / stack axes)
     layers = {i for i in (0, cfg.num_dense_layers) if i < cfg.num_hidden_layers}
     for name in N.global_names(cfg) + [n for i in sorted(layers) for n in N.layer_names(cfg, i)]:
         t = N.resolve(name, cfg)
         info.setdefault(O.leaf_name(t.leaf), t)
-    leaves, fp8 = {}, {}
+    leaves, fp8, int4 = {}, {}, {}
     for p, v in jax.tree_util.tree_leaves_with_path(tree):
         name = O.leaf_name(tuple(k.key for k in p))
         t = info[name]
@@ -134,8 +137,17 @@ def plan_leaves(cfg: K2Config, dtype: str, block) -> tuple[dict[str, dict], dict
             sshape = (*v.shape[:stack], *scale_shape((inn, out), tuple(block)[::-1]))
             leaves[sname] = _spec(sshape, np.dtype(np.float32), stack)
             fp8[name] = {"scale": sname, "in_ndim": in_ndim}
+        if dtype == "int4" and t.int4:
+            from k2jax.checkpoint.quantized import quantized_shapes
+
+            vs, vd, ss, sd = quantized_shapes(tuple(v.shape), "int4", stack, 1)
+            sname = name + O.INT4_SCALE_SUFFIX
+            leaves[sname] = _spec(ss, np.dtype(sd), stack)
+            int4[name] = {"scale": sname, "in_ndim": 1}
+            leaves[name] = _spec(vs, np.dtype(vd), stack)
+            continue
         leaves[name] = _spec(v.shape, dt, stack)
-    return dict(sorted(leaves.items())), fp8
+    return dict(sorted(leaves.items())), fp8, int4
 
 
 def _spec(shape, dt, stack):
@@ -226,8 +238,9 @@ class _Converter:
     """Per-tensor work: read, check, dequantize or keep, re-layout, write into its slot. A big 2-D tensor goes
     in pieces of whole chunks (rows of the source), so its buffers are reused like everyone else's."""
 
-    def __init__(self, cfg, ckpt, dst, dtype, block, leaves, fp8, direct):
+    def __init__(self, cfg, ckpt, dst, dtype, block, leaves, fp8, direct, int4=None):
         self.cfg, self.ckpt, self.dtype, self.block, self.fp8, self.leaves = cfg, ckpt, dtype, block, fp8, leaves
+        self.int4 = int4 or {}
         for n, spec in leaves.items():
             O.open_array(dst, n, spec, create=True)
         self.writer = O.ChunkWriter(dst, leaves, direct)
@@ -239,6 +252,16 @@ class _Converter:
         nothing after the piece it is in; its unit is not marked done either way), or None."""
         t, ckpt = src.target, self.ckpt
         name = O.leaf_name(t.leaf)
+        if src.dtype == "INT4":  # pack-quantized (values 0..15 cannot be NaN; the scales were checked)
+            packed, scale = ckpt.read(src.packed), ckpt.read(src.scale)
+            if name in self.int4:  # as stored: the same 4-bit values, repacked along the output dim
+                v, s = I4.to_k2jax(packed, scale)
+                self.writer.write(name, t.index, v, self.scratch)
+                self.writer.write(self.int4[name]["scale"], t.index, s, self.scratch)
+            else:
+                x = I4.dequantize(packed, scale, self.leaf_dtype[name])
+                self.writer.write(name, t.index, transpose(x), self.scratch)
+            return None
         shape = ckpt.tensors[t.name].shape
         slot = N.slot_shape(t, self.cfg)
         transposed = t.transform.forward is N.T.TRANSPOSE.forward and len(shape) == 2  # all of the TRANSPOSE_*
@@ -320,9 +343,14 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
         plan = check_checkpoint(cfg, ckpt)
         problems = list(plan.problems)
         if dtype == "float8":
-            problems += [f"{s.target.name!r} ({ckpt.file_of(s.target.name)}): {s.dtype}, but --dtype float8 keeps "
+            problems += [f"{s.stored!r} ({ckpt.file_of(s.stored)}): {s.dtype}, but --dtype float8 keeps "
                          f"the release's F8_E4M3 weights (convert a float checkpoint with --dtype bfloat16)"
                          for s in plan.sources if s.target.fp8 and s.dtype != "F8_E4M3"]
+        if dtype == "int4":
+            problems += [f"{s.stored!r} ({ckpt.file_of(s.stored)}): {s.dtype}, but --dtype int4 keeps the INT4 routed "
+                         f"experts of a pack-quantized checkpoint (Kimi-K2-Thinking) as stored; convert an FP8 "
+                         f"release with --dtype float8 and load it with quant='int4' (requantized, lossy)"
+                         for s in plan.sources if s.target.int4 and s.dtype != "INT4"][:1]
         raise_all(problems, src)
         index, count = _processes()
         if count > 1 and layers is not None:
@@ -330,12 +358,12 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
                                f"its own share of the layers; drop --layers")
         todo_layers = (parse_layers(layers, cfg.num_hidden_layers) if count == 1
                        else D.share(cfg.num_hidden_layers, index, count))
-        leaves, fp8 = plan_leaves(cfg, dtype, plan.block)
+        leaves, fp8, int4 = plan_leaves(cfg, dtype, plan.block)
         job = fingerprint(src, ckpt, dtype)
 
         def make_converter():
             try:
-                return _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, direct_io)
+                return _Converter(cfg, ckpt, dst, dtype, plan.block, leaves, fp8, direct_io, int4)
             except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
                 raise ConvertError(f"DST {dst}: cannot create the arrays: {_first_line(e)}") from None
 
@@ -358,7 +386,7 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
         stats.units_skipped = len(units) - len(run_units)
         sources = [s for s in plan.sources if unit_of(s.target) in run_units]
         order = {f: k for k, f in enumerate(sorted(ckpt.files, key=_natural))}
-        sources.sort(key=lambda s: (order[ckpt.file_of(s.target.name)], ckpt.tensors[s.target.name].begin))
+        sources.sort(key=lambda s: (order[ckpt.file_of(s.stored)], ckpt.tensors[s.stored].begin))
         if not quiet and done & wanted:
             log(f"{dst}: resuming: {len(done & wanted)} of {len(wanted)} units already converted")
         if count > 1 and not quiet:
@@ -378,7 +406,7 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
         def complete():
             left = len(units - {p.name for p in done_dir.iterdir()})
             if left == 0:
-                finalize(src, dst, cfg, ckpt, dtype, plan.block, leaves, fp8, job)
+                finalize(src, dst, cfg, ckpt, dtype, plan.block, leaves, fp8, job, int4)
             return left
 
         # Several processes: process 0 marks DST complete once all have converted theirs; all return after.
@@ -439,7 +467,7 @@ def _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats) -> list[
     from tqdm import tqdm
 
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
-    nbytes = {id(s): ckpt.tensors[s.target.name].nbytes + (ckpt.tensors[s.scale].nbytes if s.scale else 0)
+    nbytes = {id(s): ckpt.tensors[s.stored].nbytes + (ckpt.tensors[s.scale].nbytes if s.scale else 0)
               for s in sources}
     problems, failed_units = [], set()
     for u in [u for u, n in pending.items() if n == 0]:  # a unit with nothing in it (cannot happen in practice)
@@ -462,7 +490,7 @@ def _run(conv, ckpt, sources, pending, done_dir, workers, quiet, stats) -> list[
                     try:
                         problem = f.result()
                     except Exception as e:  # I/O: nothing sensible to continue with
-                        raise ConvertError(f"{s.target.name!r} ({ckpt.file_of(s.target.name)}): "
+                        raise ConvertError(f"{s.stored!r} ({ckpt.file_of(s.stored)}): "
                                            f"{type(e).__name__}: {_first_line(e)}") from None
                     if problem:
                         problems.append(problem)
@@ -495,24 +523,25 @@ def _first_line(e: BaseException) -> str:
     return re.sub(r"\s*\[source locations=.*", "", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
 
 
-def finalize(src, dst, cfg, ckpt, dtype, block, leaves, fp8, job) -> None:
+def finalize(src, dst, cfg, ckpt, dtype, block, leaves, fp8, job, int4=None) -> None:
     """config.json, Orbax metadata, then the manifest: the checkpoint is complete once the manifest exists."""
     from k2jax import __version__
 
     hf = json.loads((src / "config.json").read_text())
-    if dtype != "float8":
+    if dtype not in ("float8", "int4"):
         hf.pop("quantization_config", None)
-    hf["torch_dtype"] = "bfloat16" if dtype == "float8" else dtype
+    hf["torch_dtype"] = "bfloat16" if dtype in ("float8", "int4") else dtype
     O.atomic_write(dst / "config.json", json.dumps(hf, indent=2))
     O.write_orbax_metadata(dst, leaves)
-    scales = {f["scale"] for f in fp8.values()}
+    int4 = int4 or {}
+    scales = {f["scale"] for f in (*fp8.values(), *int4.values())}
     manifest = {
         "format": "k2jax orbax checkpoint", "layout_version": O.LAYOUT_VERSION, "tool_version": __version__,
         "dtype": dtype, "param_count": sum(int(np.prod(s["shape"])) for n, s in leaves.items() if n not in scales),
         "fp8_block": list(block), "job": job,
         "source": {"files": [{"name": f, "size": ckpt.files[f].size} for f in sorted(ckpt.files, key=_natural)],
                    "tensors": len(ckpt.tensors)},
-        "leaves": leaves, "fp8": fp8,
+        "leaves": leaves, "fp8": fp8, "int4": int4,
     }
     O.atomic_write(dst / O.MANIFEST, json.dumps(manifest, indent=1))
     shutil.rmtree(dst / O.PROGRESS, ignore_errors=True)
@@ -541,8 +570,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", metavar="DST", help="output directory (created; resumed if a same-job conversion was "
                                               "interrupted)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="bfloat16 (default) or float32: FP8 weights dequantized with their 128x128 block scales; "
-                        "float8: keep the e4m3 weights and store their scales beside them (dequantized on load)")
+                   help="bfloat16 (default) or float32: FP8 / INT4 weights dequantized with their scales; "
+                        "float8: keep an FP8 release's e4m3 weights and store their scales beside them; int4: keep "
+                        "a Kimi-K2-Thinking checkpoint's INT4 routed experts as stored (packed 4-bit values + bf16 "
+                        "scales), the rest bf16. k2jax.load(DST, quant=...) holds them quantized on device")
     p.add_argument("--workers", type=int, default=None,
                    help="threads reading, dequantizing and writing (default: min(8, 2 x CPUs))")
     p.add_argument("--layers", metavar="A:B", default=None,

@@ -97,6 +97,17 @@ RULES: tuple[tuple[str, str, Transform, bool], ...] = (
     ("model.layers.{i}.mlp.shared_experts.down_proj.weight",  "mlp/shared_experts/down_proj",      T.TRANSPOSE,           True),
 )
 
+# Kimi-K2-Thinking (compressed-tensors "pack-quantized", see k2jax.checkpoint.int4): the weights that may be
+# stored INT4, each as three tensors `<weight>_packed` int32 [out, in/8], `<weight>_scale` bf16 [out, in/32],
+# `<weight>_shape` int64 [2] instead of `<weight>`. Only the routed experts: the release keeps attention,
+# dense and shared MLPs, router, embeddings and lm_head bf16 (its quantization_config `ignore` list).
+INT4_RULES: tuple[str, ...] = (
+    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+    "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+)
+INT4_SUFFIXES = ("_packed", "_scale", "_shape")
+
 # Tensors that are read past on purpose (they carry no parameters of the model).
 SKIP: tuple[tuple[str, str], ...] = (
     ("model.layers.{i}.self_attn.rotary_emb.inv_freq", "RoPE buffer, recomputed from the config"),
@@ -117,6 +128,7 @@ class Rule(NamedTuple):
     path: tuple[str, ...]
     transform: Transform
     fp8: bool
+    int4: bool = False
 
 
 class Target(NamedTuple):
@@ -134,6 +146,7 @@ class Target(NamedTuple):
     transform: Transform
     fp8: bool
     hf_layer: int | None
+    int4: bool = False  # may be stored INT4 pack-quantized (INT4_RULES)
 
     @property
     def leaf(self) -> tuple[str, ...]:
@@ -157,7 +170,8 @@ def _key(name: str) -> tuple[str, list[str]]:
     return _NUM.sub(lambda m: next(it, "{?}"), name), nums
 
 
-_RULES = {t: Rule(t, tuple(p.split("/")), tr, fp8) for t, p, tr, fp8 in RULES}
+_RULES = {t: Rule(t, tuple(p.split("/")), tr, fp8, t in INT4_RULES) for t, p, tr, fp8 in RULES}
+assert set(INT4_RULES) <= set(_RULES), "INT4_RULES names a template RULES lacks"
 _SKIP = {t for t, _ in SKIP}
 
 
@@ -168,6 +182,21 @@ def is_scale(name: str) -> bool:
 def scale_name(weight: str) -> str:
     """'...weight' -> '...weight_scale_inv' (the FP8 companion)."""
     return weight + SCALE_SUFFIX
+
+
+def int4_part(name: str) -> str | None:
+    """'...weight_packed' -> '_packed' (likewise _scale, _shape); None for any other name."""
+    return next((s for s in INT4_SUFFIXES if name.endswith("weight" + s)), None)
+
+
+def int4_names(weight: str) -> dict[str, str]:
+    """'...weight' -> {"packed": '...weight_packed', "scale": '...weight_scale', "shape": '...weight_shape'}."""
+    return {s[1:]: weight + s for s in INT4_SUFFIXES}
+
+
+def weight_of_int4(name: str) -> str:
+    """'...weight_packed' (or _scale, _shape) -> '...weight'."""
+    return name[: -len(int4_part(name))]
 
 
 def weight_of_scale(name: str) -> str:
@@ -226,7 +255,7 @@ def resolve(name: str, cfg: K2Config) -> Target | None:
         raise UnknownTensorError(f"unknown tensor {name!r}: no rule in k2jax.checkpoint.names.RULES")
     group, layer = layer_group(cfg, hf_layer) if hf_layer is not None else (None, None)
     expert = int(nums[1]) if "{e}" in template else None
-    target = Target(name, group, layer, expert, rule.path, rule.transform, rule.fp8, hf_layer)
+    target = Target(name, group, layer, expert, rule.path, rule.transform, rule.fp8, hf_layer, rule.int4)
     shape = leaf_shapes(cfg).get(target.leaf)
     if shape is None:
         raise UnknownTensorError(f"unexpected tensor {name!r}: this config has no param "

@@ -21,7 +21,9 @@ Plain Orbax reads it without k2jax:
 
 where `abstract` is `k2jax.abstract_params(cfg, dtype)` with a sharding set on each leaf (a different dtype
 than stored is cast on read). Without shardings Orbax returns numpy arrays. A `float8` conversion holds
-e4m3 weights plus `<name>_scale_inv` float32 leaves beside them (see `fp8_leaves`).
+e4m3 weights plus `<name>_scale_inv` float32 leaves beside them (see `fp8_leaves`); an `int4` conversion
+holds the routed experts as uint8 leaves of two 4-bit values each plus `<name>_scale` bfloat16 leaves (see
+`int4_leaves`): restore those leaves with the manifest's shapes and dtypes ("leaves"), not abstract_params'.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ CHUNK_BYTES = 64 << 20
 # Default bound on the shard reads a restore has in flight (host memory), see `restore`.
 MAX_INFLIGHT_BYTES = 8 << 30
 SCALE_SUFFIX = "_scale_inv"
+INT4_SCALE_SUFFIX = "_scale"
 
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-           "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+           "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn), "uint8": np.dtype(np.uint8)}
 
 
 class IncompleteCheckpointError(ValueError):
@@ -88,7 +91,7 @@ def open_array(dst: pathlib.Path, name: str, spec: dict, create: bool):
 
     return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.fspath(dst / name)},
                     "metadata": {"shape": spec["shape"], "chunks": spec["chunks"], "compressor": None,
-                                 "dtype": np.dtype(spec["dtype"]).str if spec["dtype"] == "float32"
+                                 "dtype": np.dtype(spec["dtype"]).str if spec["dtype"] in ("float32", "uint8")
                                  else spec["dtype"]}},
                    create=create, open=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
 
@@ -238,6 +241,13 @@ def fp8_leaves(manifest: dict) -> dict[str, dict]:
     return manifest.get("fp8", {})
 
 
+def int4_leaves(manifest: dict) -> dict[str, dict]:
+    """int4 checkpoints: weight leaf name -> {"scale": scale leaf name, "in_ndim": 1}. The weight leaf is
+    k2jax.ops.quant.QuantizedWeight's int4 values: uint8 [*stack, in, out/2], two 4-bit values (value + 8, low
+    nibble first) per byte along the output dim; the scale leaf bfloat16 [*stack, in/32, out]."""
+    return manifest.get("int4", {})
+
+
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for name, v in flat.items():
@@ -325,8 +335,10 @@ def check_matches(ckpt_dir, manifest: dict, want: dict[str, Any], what: str) -> 
     """Raise ValueError naming the first tensor (in tree order) where the checkpoint and `want` (leaf name ->
     ShapeDtypeStruct of the params of a config) differ: missing, unexpected, or another shape; `what` names
     the config in the message."""
-    scales = {f["scale"] for f in fp8_leaves(manifest).values()}
-    stored = {n: s for n, s in manifest["leaves"].items() if n not in scales}
+    int4 = int4_leaves(manifest)
+    scales = {f["scale"] for f in (*fp8_leaves(manifest).values(), *int4.values())}
+    stored = {n: dict(s, shape=[*s["shape"][:-1], 2 * s["shape"][-1]]) if n in int4 else s  # logical shapes
+              for n, s in manifest["leaves"].items() if n not in scales}
     for name in sorted(stored.keys() | want.keys(), key=lambda n: n.split(".")):
         if name not in stored:
             problem = f"in {what} {tuple(want[name].shape)} but not in the checkpoint"
@@ -341,14 +353,21 @@ def check_matches(ckpt_dir, manifest: dict, want: dict[str, Any], what: str) -> 
 
 
 def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg=None,
-         max_inflight_bytes: int | None = None):
+         max_inflight_bytes: int | None = None, quant: str | None = None):
     """Restore a converted checkpoint -> (K2Config, params).
 
     params is exactly `abstract_params(cfg, dtype)` (the router stays float32) as jax arrays. dtype None keeps
-    the stored float dtype (a float8 conversion loads as bfloat16); "float8" returns a float8 conversion as
-    stored: e4m3 weights plus their `*_scale_inv` leaves. FP8 weights loaded into bf16/f32 are dequantized on
-    device, one layer at a time. mesh: place each leaf by `k2jax.sharding.param_shardings(cfg, mesh)`;
-    shardings: an explicit tree of shardings instead (for the float8 tree as well); neither: one device.
+    the stored float dtype (a float8 or int4 conversion loads as bfloat16); "float8" returns a float8 conversion
+    as stored: e4m3 weights plus their `*_scale_inv` leaves. FP8 / INT4 weights loaded into bf16/f32 are
+    dequantized on device, one layer at a time.
+    quant: hold weights quantized on device, as k2jax.ops.quant.QuantizedWeight leaves (see k2jax.load_hf):
+      "fp8"   a `--dtype float8` conversion's e4m3 weights with their block scales;
+      "int4"  the routed experts in INT4 groups of 32: an `--dtype int4` conversion's as stored, or a
+              `--dtype float8` conversion's requantized on device one layer at a time (lossy).
+    A conversion that holds nothing of the kind (bfloat16 / float32) is refused with a ValueError.
+    mesh: place each leaf by `k2jax.sharding.param_shardings(cfg, mesh)` (a quantized weight's values like
+    its param, its scales along the same stacked axes); shardings: an explicit tree of shardings instead
+    (for the float8 tree as well); neither: one device.
     Either way each process reads only the chunks of its own devices' shards (see `restore`, which also
     explains max_inflight_bytes).
     cfg: the K2Config to load the weights into, instead of the checkpoint's config.json (e.g. with other
@@ -358,6 +377,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     import jax
     import jax.numpy as jnp
 
+    from k2jax.checkpoint.quantized import check_quant, quantized_leaves
     from k2jax.config import K2Config
     from k2jax.nn.model import abstract_params
 
@@ -365,13 +385,25 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     what = "the given cfg" if cfg is not None else "its config.json"
     cfg = K2Config.from_hf_config(ckpt_dir) if cfg is None else cfg
     stored = manifest["dtype"]
-    fp8 = fp8_leaves(manifest)
+    fp8, int4 = fp8_leaves(manifest), int4_leaves(manifest)
     float8 = dtype is not None and str(dtype) in ("float8", "float8_e4m3fn")
+    quant = check_quant(quant)
+    if float8 and quant is not None:
+        raise ValueError(f"{ckpt_dir}: dtype float8 returns the stored leaves as they are; quant={quant!r} holds "
+                         f"them as QuantizedWeight: give one of the two")
+    if quant is not None and not (stored == "float8" or (stored == "int4" and quant == "int4")):
+        raise ValueError(f"{ckpt_dir}: quant={quant!r} needs a conversion that holds "
+                         + ("FP8 weights (`k2jax convert --dtype float8` of an FP8 release)" if quant == "fp8" else
+                            "INT4 experts (`--dtype int4` of a Kimi-K2-Thinking checkpoint) or FP8 weights "
+                            "(`--dtype float8`, requantized)")
+                         + f"; this one is {stored}: load it with quant=None")
     if dtype is None or float8:
-        dtype = jnp.bfloat16 if stored == "float8" else _DTYPES[stored]
+        dtype = jnp.bfloat16 if stored in ("float8", "int4") else _DTYPES[stored]
     want = {leaf_name(tuple(k.key for k in p)): v
             for p, v in jax.tree_util.tree_leaves_with_path(abstract_params(cfg, dtype))}
     check_matches(ckpt_dir, manifest, want, what)
+    if quant == "fp8" and tuple(manifest["fp8_block"]) != (128, 128):
+        raise ValueError(f"{ckpt_dir}: quant='fp8' holds 128x128 blocks; this conversion has {manifest['fp8_block']}")
     if float8:
         if stored != "float8":
             raise ValueError(f"{ckpt_dir}: dtype float8 needs a `--dtype float8` conversion; this one is {stored}")
@@ -391,22 +423,82 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     def sharding_of(name):
         return one if flat_sh is None else flat_sh[name]
 
-    # Plain leaves: cast on read (bf16 -> f32 is exact). FP8 leaves: read as stored, then dequantize.
+    # Plain leaves: cast on read (bf16 -> f32 is exact). Quantized leaves: read as stored, then kept,
+    # dequantized or requantized.
+    keep = {leaf_name(k) for k in quantized_leaves(cfg, quant)}
     target, shard = {}, {}
     for n, v in want.items():
-        target[n] = jax.ShapeDtypeStruct(v.shape, _DTYPES["float8_e4m3fn"] if n in fp8 else v.dtype)
         shard[n] = sharding_of(n)
-        if n in fp8:
-            s = fp8[n]["scale"]
-            target[s] = jax.ShapeDtypeStruct(tuple(manifest["leaves"][s]["shape"]), np.float32)
-            shard[s] = _scale_sharding(shard[n], len(target[s].shape) - 2)
+        q = fp8.get(n) or int4.get(n)
+        if q is None:
+            target[n] = jax.ShapeDtypeStruct(v.shape, v.dtype)
+            continue
+        spec = manifest["leaves"][n]
+        target[n] = jax.ShapeDtypeStruct(tuple(spec["shape"]), _DTYPES[spec["dtype"]])
+        sspec = manifest["leaves"][q["scale"]]
+        target[q["scale"]] = jax.ShapeDtypeStruct(tuple(sspec["shape"]), _DTYPES[sspec["dtype"]])
+        shard[q["scale"]] = _scale_sharding(shard[n], len(sspec["shape"]) - 2)
     flat = _flatten(restore(ckpt_dir, _unflatten(target), _unflatten(shard), max_inflight_bytes))
     block = tuple(manifest["fp8_block"])
-    for n, info in fp8.items():
+    from k2jax.ops.quant import QuantizedWeight
+
+    for n, info in (*fp8.items(), *int4.items()):
+        fmt = "fp8" if n in fp8 else "int4"
         w, s = flat[n], flat.pop(info["scale"])
-        flat[n] = _dequantize_fn(w.shape, info["in_ndim"], block, jnp.dtype(want[n].dtype), shard[n])(w, s)
+        if n in keep and fmt == quant:
+            flat[n] = QuantizedWeight(w, s, fmt, info["in_ndim"])
+        elif n in keep:  # an FP8 routed expert held as INT4: requantized, layer by layer
+            flat[n] = _requantize_fn(w.shape, info["in_ndim"], block, shard[n], s.ndim - 2)(w, s)
+        elif fmt == "fp8":
+            flat[n] = _dequantize_fn(w.shape, info["in_ndim"], block, jnp.dtype(want[n].dtype), shard[n])(w, s)
+        else:
+            flat[n] = _dequantize_int4_fn(jnp.dtype(want[n].dtype), shard[n])(w, s)
         del w, s
     return cfg, _unflatten(flat)
+
+
+def _requantize_fn(shape, in_ndim, block, sharding, stack):
+    """jit: (e4m3 [L, ...], f32 block scales) -> QuantizedWeight int4, one layer's float32 copy at a time."""
+    import jax
+
+    from k2jax.checkpoint.fp8 import dequantize
+    from k2jax.ops.quant import quantize
+
+    def one_layer(ws):
+        w, s = ws
+        lead = s.ndim - 2
+        slot = w.shape[lead:]
+        w2 = w.reshape(*w.shape[:lead], math.prod(slot[:in_ndim]), math.prod(slot[in_ndim:]))
+        x = dequantize(w2, s, block[::-1], np.float32).reshape(w.shape)
+        q = quantize(x, "int4", in_ndim, lead)
+        return q.values, q.scales
+
+    def f(w, s):
+        v, sc = jax.lax.map(one_layer, (w, s))
+        return v, sc
+
+    v_sh = sharding
+    s_sh = _scale_sharding(sharding, stack)
+
+    def run(w, s):
+        from k2jax.ops.quant import QuantizedWeight
+
+        v, sc = jax.jit(f, out_shardings=(v_sh, s_sh))(w, s)
+        return QuantizedWeight(v, sc, "int4", in_ndim)
+
+    return run
+
+
+def _dequantize_int4_fn(dtype, sharding):
+    """jit: (packed uint8 [L, ...], bf16 scales) -> dtype [L, ...], mapped over the layer axis."""
+    import jax
+
+    from k2jax.ops.quant import QuantizedWeight
+
+    def one_layer(ws):
+        return QuantizedWeight(ws[0], ws[1], "int4").dequantize(dtype)
+
+    return jax.jit(lambda w, s: jax.lax.map(one_layer, (w, s)), out_shardings=sharding)
 
 
 def _scale_sharding(sharding, stack: int):

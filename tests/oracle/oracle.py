@@ -18,7 +18,8 @@ Request (JSON dict; every part optional except as noted):
   router_std   float or null (default null = 3/sqrt(hidden)): std of the router weight mlp.gate.weight. Router
                logits of std ~3 let the tokens, not only the bias, decide the routing.
   bias_scale   float (default 0.5): e_score_correction_bias ~ U[-bias_scale, bias_scale].
-  load         path of an HF-format directory (float or released FP8 layout): its tensors replace the random init.
+  load         path of an HF-format directory (float, released FP8 or Kimi-K2-Thinking INT4 layout; INT4 weights
+               unpacked by compressed-tensors): its tensors replace the random init.
   save         {"dir", "format": "hf"|"fp8", "num_shards"}: "hf" = save_pretrained (float32); "fp8" = the
                released Kimi K2 FP8 layout. With "fp8" every output below comes from the values stored
                (dequantized FP8 weights, bf16-rounded other tensors).
@@ -30,6 +31,10 @@ Request (JSON dict; every part optional except as noted):
                loss_mask = 1 (and label >= 0) of -log softmax(logits[b, t])[labels[b, t]] / their count.
                -> "loss", "grad.<released param name>".
   bench        {"input_ids", "dtype": "float32"|"bfloat16", "warmup", "repeats"} -> "bench.times".
+  pack_int4    {"weight": out x in floats, "scale": out x in/32, "packed"?: int32 out x in/8}: compressed-tensors'
+               own "pack-quantized" compressor (Kimi-K2-Thinking's format; symmetric int4, groups of 32) ->
+               "pack_int4.weight_packed" int32, "pack_int4.weight_shape"; with "packed", its own decompression of
+               that tensor with `scale` -> "pack_int4.unpacked" float32. Needs no model (no config).
   out          path of the .npz to write (required).
 
 npz keys: logits [B,T,V]; bias_changes_choice (scalar; fraction of MoE-layer tokens whose top-k set changes when
@@ -197,6 +202,39 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -
     return q.float() * full
 
 
+# ------------------------------------------------------------------------------------- INT4 (compressed-tensors)
+def _int4_scheme():
+    """Kimi-K2-Thinking's weight scheme, as compressed-tensors builds it from config_groups.group_0."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32, dynamic=False)
+    return QuantizationScheme(targets=["Linear"], weights=args, input_activations=None, output_activations=None)
+
+
+def _compressor():
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    return PackedQuantizationCompressor
+
+
+def unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    """weight_packed / weight_scale / weight_shape -> the float32 weight, by compressed-tensors' decompressor. The
+    bf16 scale goes in as float32, so the products (nibble - 8) * scale stay exact instead of rounding to bf16."""
+    sd = {"weight_packed": packed, "weight_scale": scale.float(), "weight_shape": shape}
+    return _compressor().decompress(sd, _int4_scheme())["weight"].float()
+
+
+def _pack_int4(r) -> dict[str, np.ndarray]:
+    w = torch.tensor(np.asarray(r["weight"], np.float32))
+    scale = torch.tensor(np.asarray(r["scale"], np.float32)).to(torch.bfloat16)
+    sd = _compressor().compress({"weight": w, "weight_scale": scale}, _int4_scheme())
+    out = {"pack_int4.weight_packed": sd["weight_packed"].numpy(), "pack_int4.weight_shape": sd["weight_shape"].numpy()}
+    if r.get("packed") is not None:
+        packed = torch.tensor(np.asarray(r["packed"], np.int32))
+        out["pack_int4.unpacked"] = unpack_int4(packed, scale, torch.tensor(list(w.shape))).numpy()
+    return out
+
+
 def _shard_of(name: str, num_layers: int, num_shards: int) -> int:
     """File index (0-based) of a tensor: the embedding, each layer, then norm + lm_head, cut into contiguous runs."""
     m = _LAYER.match(name)
@@ -287,9 +325,12 @@ def read_dir(directory: str) -> dict[str, torch.Tensor]:
                     raw[name] = f.get_tensor(name)
     out = {}
     for name, t in raw.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", "weight_scale", "weight_shape")):
             continue
-        if t.dtype == torch.float8_e4m3fn:
+        if name.endswith("weight_packed"):
+            w = name[: -len("_packed")]
+            out[w] = unpack_int4(t, raw[w + "_scale"], raw[w + "_shape"])
+        elif t.dtype == torch.float8_e4m3fn:
             out[name] = dequantize_fp8(t, raw[name + "_scale_inv"], block)
         else:
             out[name] = t.float()
@@ -559,8 +600,14 @@ def handle(req: dict) -> str:
     """Run one request; write its npz; return the npz path."""
     if "out" not in req:
         raise ValueError("request needs 'out' (the .npz path to write)")
+    out = {}
+    if req.get("pack_int4"):
+        out.update(_pack_int4(req["pack_int4"]))
+    if set(req) <= {"pack_int4", "out"}:
+        _write_npz(req["out"], out)
+        return req["out"]
     _, entry = _model_for(req)
-    model, seed, out = entry["float32"], int(req.get("seed", 0)), {}
+    model, seed = entry["float32"], int(req.get("seed", 0))
     if req.get("inputs"):
         out.update(_forward(model, req, seed))
     if req.get("generate"):
@@ -569,10 +616,14 @@ def handle(req: dict) -> str:
         out.update(_grad(model, req["grad"]))
     if req.get("bench"):
         out.update(_bench(entry, req["bench"]))
-    os.makedirs(os.path.dirname(os.path.abspath(req["out"])), exist_ok=True)
-    with open(req["out"], "wb") as f:  # a file object: np.savez would otherwise append ".npz" to the name
-        np.savez(f, **out)
+    _write_npz(req["out"], out)
     return req["out"]
+
+
+def _write_npz(path: str, out: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "wb") as f:  # a file object: np.savez would otherwise append ".npz" to the name
+        np.savez(f, **out)
 
 
 def answer(line_or_req) -> dict:
