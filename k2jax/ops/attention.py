@@ -10,13 +10,16 @@
 
 Letters as in k2jax.nn.mla: B batch, T queries, S keys, N heads, K nope head dim, P rope head dim,
 R kv_lora_rank, V value head dim, X = K + V. All return the per-head outputs [B, T, N, V] in the
-cache's dtype; scores and softmax are float32.
+cache's dtype; scores and softmax are float32. w_kv_b may be a QuantizedWeight: dequantized once per call
+(R x N x (K+V), small), in the cache's dtype.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from k2jax.ops.quant import materialize
 
 _NEG_INF = -1e30  # finite, so a row with nothing to attend to averages instead of giving NaN
 DEFAULT_BLOCK = 256  # measured on XLA:CPU at 512 tokens: 256 beats 128 and 512 (no causal skip)
@@ -33,6 +36,7 @@ def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """
     K, P = q_nope_BTNK.shape[-1], q_pe_BTNP.shape[-1]
     f32, dt = jnp.float32, ckv_BSR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     barrier = jax.lax.optimization_barrier
     kv_BNSX = barrier(jnp.einsum("BSR,RNX->BNSX", ckv_BSR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
     k_nope_BNSK, v_BNSV = kv_BNSX[..., :K], kv_BNSX[..., K:]
@@ -56,6 +60,7 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """
     K = q_nope_BTNK.shape[-1]
     f32, dt = jnp.float32, ckv_BSR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
     q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32).astype(dt)
     scores_BNTS = (
@@ -89,6 +94,7 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
     B, T, N, K = q_nope_BTNK.shape
     P, V = q_pe_BTNP.shape[-1], w_kv_b_RNX.shape[-1] - K
     f32, dt = jnp.float32, ckv_BTR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     block = min(block, T)
     nb = -(-T // block)
     pad = nb * block - T

@@ -214,7 +214,7 @@ def _split_blocks(w, spec) -> bool:
 def _vary_all(*arrays):
     """The arrays, each plus a zero that varies over the manual mesh axes of all of them. QuantizedWeights
     pass unchanged: they are frozen (no gradient), so no cotangent psum to place."""
-    z = _zeros((), jnp.float32, *(a for a in arrays if not is_quantized(a)))
+    z = _zeros((), jnp.float32, *arrays)  # varies as all of them do, a QuantizedWeight's values included
     return tuple(a if is_quantized(a) else a + z.astype(a.dtype) for a in arrays)
 
 
