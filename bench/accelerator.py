@@ -158,8 +158,8 @@ def main():
                 dec = jax.jit(lambda p, c: model.apply({"params": p}, tok, p_B1, valid, c, C, method=K2Model.decode))
                 s = median(time_fn(dec, params, cache, repeats=args.repeats))
                 rd = decode_read_bytes(params, cfg, B)
-                bw = f", {rd / s / 1e9:.0f} GB/s" + (f" = {rd / s / hbm:.2f} of HBM" if hbm else "")
-                print(f"  decode b{B} ({impl}): {s * 1e3:.2f} ms, reads {rd / 2**30:.2f} GiB of weights{bw}")
+                bw = f", {rd / s / 1e9:.1f} GB/s" + (f" = {rd / s / hbm:.2f} of HBM" if hbm else "")
+                print(f"  decode b{B} ({impl}): {s * 1e3:.2f} ms, reads {rd / 2**20:,.1f} MiB of weights{bw}")
         del params
 
     if over():
