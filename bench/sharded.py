@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from common import median, time_fn  # noqa: E402
 
 from k2jax.config import K2Config  # noqa: E402
-from k2jax.expert_parallel import moe_expert_parallel  # noqa: E402
-from k2jax.nn.moe import moe_grouped, route  # noqa: E402
+from k2jax.ops.expert_parallel import moe_expert_parallel  # noqa: E402
+from k2jax.nn.moe import route  # noqa: E402
+from k2jax.ops.moe import moe_grouped  # noqa: E402
 from k2jax.sharding import make_mesh, use_mesh  # noqa: E402
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bench.json"

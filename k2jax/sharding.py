@@ -1,7 +1,7 @@
 """Where things live: the device mesh, THE logical-axis rules table, param shardings, the mesh context.
 
 Mesh axes: `data` and `fsdp` split the batch; `fsdp` also splits the model dimension of the weights (gathered
-before use); `expert` splits the routed experts (the expert-parallel MoE in k2jax.expert_parallel moves tokens
+before use); `expert` splits the routed experts (the expert-parallel MoE in k2jax.ops.expert_parallel moves tokens
 to them); `tensor` splits attention heads, MLP hidden dims (dense, shared and each routed expert's) and the
 vocabulary. All axes are `Auto`: outside the MoE's shard_map the compiler places the collectives.
 """
@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params, param_axes
+from k2jax.ops.quant import QuantizedWeight, is_quantized, scale_partition
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -79,18 +80,29 @@ def logical_to_spec(names: tuple[str | None, ...]) -> P:
     return nn.logical_to_mesh_axes(names, RULES)
 
 
-def param_specs(cfg: K2Config):
-    """PartitionSpec pytree of the params of `cfg` (same tree as k2jax.abstract_params)."""
-    return jax.tree_util.tree_map(logical_to_spec, param_axes(cfg), is_leaf=lambda x: isinstance(x, P))
+def param_specs(cfg: K2Config, quant: str | None = None):
+    """PartitionSpec pytree of the params of `cfg` (same tree as k2jax.abstract_params(cfg, quant=quant));
+    a quantized param's leaf is a QuantizedWeight of its values' and scales' specs."""
+    return jax.tree_util.tree_map(logical_to_spec, param_axes(cfg, quant), is_leaf=lambda x: isinstance(x, P))
 
 
-def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
+def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, quant: str | None = None):
     """NamedSharding pytree of the params of `cfg` on `mesh` (no params are built: serves the 1T config).
+
+    quant "fp8" | "int4": the tree of abstract_params(cfg, quant=quant). A QuantizedWeight's scales shard
+    along the same mesh axes as its values where a shard holds whole blocks, and are replicated along a dim
+    where it does not (k2jax.ops.quant.scale_partition: dims under one block, as in tiny test configs).
 
     Raises ValueError naming the first param whose sharded dimension the mesh does not divide.
     """
-    specs = param_specs(cfg)
-    check_divisible(specs, abstract_params(cfg), dict(mesh.shape))
+    specs = param_specs(cfg, quant)
+    shapes = abstract_params(cfg, quant=quant)
+    mesh_shape = dict(mesh.shape)
+    if quant is not None:
+        specs = jax.tree_util.tree_map(
+            lambda sp, w: QuantizedWeight(sp.values, P(*scale_partition(w, sp.values, mesh_shape)), w.fmt, w.in_ndim)
+            if is_quantized(w) else sp, specs, shapes, is_leaf=lambda x: isinstance(x, (P, QuantizedWeight)))
+    check_divisible(specs, shapes, mesh_shape)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -122,5 +134,5 @@ def use_mesh(mesh: jax.sharding.Mesh):
 
 def _get(tree, path):
     for k in path:
-        tree = tree[k.key]
+        tree = getattr(tree, k.name) if isinstance(k, jax.tree_util.GetAttrKey) else tree[k.key]
     return tree

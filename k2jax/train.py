@@ -14,6 +14,11 @@ Metrics: loss (the mean cross-entropy over target tokens), tokens (their count),
 gradient of the optimized loss), balance_loss (when balance_alpha > 0), and per MoE layer: load [L, E] (tokens
 routed to each expert, padding included) and bias_changed [L] (fraction of tokens whose top-k set differs from
 the choice the router would make with a zero correction bias).
+
+Quantized params (k2jax.nn.quantized: FP8 blocks, INT4 routed experts) train with those leaves frozen: their
+fp8 / packed-integer values are not differentiable, so the gradient, the optimizer state and the update cover
+the plain params only (norms, router, embeddings, lm_head, and with "int4" attention, dense and shared MLPs);
+the activations still flow back through the dequantized weights to everything before them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k2jax.nn.model import K2Model, abstract_params, subtree, with_subtree
+from k2jax.ops.quant import is_quantized
 
 BIAS_PATH = ("moe_layers", "mlp", "gate", "e_score_correction_bias")  # [L, E], moved only by balancing
 NO_DECAY = ("weight", "e_score_correction_bias")  # RMSNorm weights and the router bias
@@ -96,7 +102,8 @@ def loss_and_metrics(model: K2Model, params, batch: dict, *, balance_alpha: floa
     """
     cfg = model.cfg
     params = with_subtree(params, BIAS_PATH, jax.lax.stop_gradient)
-    params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, _abstract(cfg, model.param_dtype))
+    params = jax.tree.map(lambda p, a: p if is_quantized(p) else p.astype(a.dtype), params,
+                          _abstract(cfg, model.param_dtype), is_leaf=is_quantized)
     # The model's logits are not used (nor computed: jit drops them); the final norm's output is taken
     # instead, for the chunked loss above.
     _, state = model.apply({"params": params}, batch["tokens"], None, batch.get("attention_mask"),
@@ -172,7 +179,9 @@ class TrainStep:
         return params if self.mesh is None else jax.device_put(params, self.param_shardings)
 
     def init(self, params):
-        """The optimizer state of `params`, each leaf sharded like its param."""
+        """The optimizer state of `params` (its trainable part: QuantizedWeight leaves are frozen), each leaf
+        sharded like its param."""
+        params = trainable(params)
         if self.mesh is None:
             return jax.jit(self.optimizer.init)(params)
         with self._context():
@@ -187,7 +196,8 @@ class TrainStep:
 
 
 def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | None = None, mesh=None, *,
-                    balance_gamma: float = 0.0, balance_alpha: float = 0.0, loss_chunk: int = 512) -> TrainStep:
+                    balance_gamma: float = 0.0, balance_alpha: float = 0.0, loss_chunk: int = 512,
+                    quant: str | None = None) -> TrainStep:
     """A jitted train step for `model` (its param_dtype, moe_impl and remat apply) with an optax optimizer
     (default: `default_optimizer()`).
 
@@ -195,18 +205,26 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
     (param_shardings) and the batch over ("data", "fsdp"). balance_gamma > 0: after each step the correction
     bias moves by `balance_bias` from the step's load (the optimizer never changes the bias; with
     balance_gamma 0 it stays as loaded). balance_alpha > 0: adds the sequence-wise balance loss.
-    loss_chunk: positions per chunk of the cross-entropy (see token_nll).
+    loss_chunk: positions per chunk of the cross-entropy (see token_nll). quant: the params' quantization
+    ("fp8" | "int4", see k2jax.nn.quantized), needed with a mesh to shard them; its QuantizedWeight leaves are
+    frozen (no gradient, no optimizer state) and come back unchanged.
     """
     cfg = model.cfg
     optimizer = default_optimizer() if optimizer is None else optimizer
 
     def step(params, opt_state, batch):
-        grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-        (_, metrics), grads = grad_fn(model, params, batch, balance_alpha=balance_alpha, loss_chunk=loss_chunk)
+        frozen = jax.tree.map(lambda p: p if is_quantized(p) else None, params, is_leaf=is_quantized)
+        train = trainable(params)
+
+        def loss_fn(model, train, batch, **kw):
+            return loss_and_metrics(model, _merge(train, frozen), batch, **kw)
+
+        grad_fn = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)
+        (_, metrics), grads = grad_fn(model, train, batch, balance_alpha=balance_alpha, loss_chunk=loss_chunk)
         metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                                             for g in jax.tree.leaves(grads)))
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        updates, opt_state = optimizer.update(grads, opt_state, train)
+        new_params = _merge(optax.apply_updates(train, updates), frozen)
         if cfg.num_moe_layers:
             bias_LE = subtree(params, BIAS_PATH)
             if balance_gamma:
@@ -218,8 +236,9 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
         return TrainStep(jax.jit(step, donate_argnums=(0, 1)), optimizer)
     from k2jax.sharding import logical_to_spec, param_shardings
 
-    param_sh = param_shardings(cfg, mesh)
-    opt_sh = opt_state_shardings(optimizer, _abstract(cfg, model.param_dtype), param_sh, mesh)
+    param_sh = param_shardings(cfg, mesh, quant=quant)
+    opt_sh = opt_state_shardings(optimizer, trainable(abstract_params(cfg, model.param_dtype, quant=quant)),
+                                 trainable(param_sh), mesh)
     batch_sh = NamedSharding(mesh, logical_to_spec(("batch", "length")))
     fn = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
                  out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
@@ -228,6 +247,18 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
 
 # ------------------------------------------------------------------------------------------------ helpers
 _ABSTRACT: dict = {}
+
+
+def trainable(params):
+    """params with every QuantizedWeight leaf replaced by None (an empty subtree): what is differentiated
+    and optimized. Works on param, abstract and sharding trees alike."""
+    return jax.tree.map(lambda p: None if is_quantized(p) else p, params, is_leaf=is_quantized)
+
+
+def _merge(train, frozen):
+    """Undo the split of step(): the frozen QuantizedWeight leaves back into the trainable tree's None slots."""
+    return jax.tree.map(lambda t, f: f if t is None else t, train, frozen,
+                        is_leaf=lambda x: x is None or is_quantized(x))
 
 
 def _abstract(cfg, dtype):

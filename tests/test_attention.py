@@ -1,4 +1,4 @@
-"""Inference attention kernels against the plain expanded attention (k2jax.nn.mla.attend_expanded)."""
+"""Inference attention kernels against the plain expanded attention (k2jax.ops.attention.attend_expanded)."""
 
 
 import jax
@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax.inference.attention import attend_absorbed, attend_blocked
-from k2jax.nn.mla import attend_expanded
+from k2jax.ops.attention import attend_absorbed, attend_blocked, attend_expanded
 from k2jax.testing import prefill_memory
 from tests.conftest import CONFIGS
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from k2jax.config import K2Config
-from k2jax.nn.moe import MoE, moe_dense, moe_grouped, route
+from k2jax.nn.moe import MoE, route
+from k2jax.ops.moe import moe_dense, moe_grouped
 from tests.conftest import CONFIGS
 
 
@@ -71,7 +72,7 @@ def test_grouped_gradients_equal_dense(T, E, capacities):
 @pytest.mark.parametrize("T, E, capacity", [(2, 64, None), (40, 8, None), (40, 8, 0)])  # gathered, batched, tiles
 def test_experts_held_elsewhere_add_nothing(T, E, capacity):
     # Expert parallelism marks a device's foreign assignments with id E.
-    from k2jax.nn.moe import grouped_moe
+    from k2jax.ops.moe import grouped_moe
 
     key = jax.random.PRNGKey(7)
     K, D, F = 4, 16, 12

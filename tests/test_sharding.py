@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax import K2Config, K2Model, abstract_params, init_params, param_axes
 from k2jax.cli import main as cli_main
-from k2jax.expert_parallel import moe_expert_parallel
-from k2jax.nn.moe import moe_dense
+from k2jax.ops.expert_parallel import moe_expert_parallel
+from k2jax.ops.moe import moe_dense
 from k2jax.plan import plan
 from k2jax.sharding import RULES, make_mesh, param_shardings, use_mesh
 from tests.conftest import CONFIGS

@@ -206,7 +206,7 @@ def test_bias_unchanged_without_balancing(tiny, single_device):
 
 def test_eight_devices_same_losses(tiny, single_device):
     """Params, optimizer state and batch sharded over data=2, expert=4 (the experts' weights split 4 ways);
-    the MoE is the expert-parallel one (k2jax.expert_parallel): 32 tokens over 8 token groups take the
+    the MoE is the expert-parallel one (k2jax.ops.expert_parallel): 32 tokens over 8 token groups take the
     all-to-all exchange (4 tokens per device, 3 per round). The single-device run it matches is dense."""
     cfg, params, batch = tiny
     mesh = make_mesh("data=2,expert=4")

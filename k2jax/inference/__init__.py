@@ -1,10 +1,9 @@
-"""Inference: the latent KV cache, MLA attention kernels for prefill and decode, batched generation.
+"""Inference: the latent KV cache and batched generation (the attention kernels are in k2jax.ops.attention).
 
-`generate` lives in k2jax.inference.generate (exported as k2jax.generate); it is not imported here because
-k2jax.nn.mla imports this package's attention kernels.
+`generate` lives in k2jax.inference.generate (exported as k2jax.generate); it is not imported here, so that
+importing the cache helpers does not pull in the model.
 """
 
-from k2jax.inference.attention import attend_absorbed, attend_blocked
 from k2jax.inference.cache import cache_bytes, cache_shapes, init_cache
 
-__all__ = ["attend_absorbed", "attend_blocked", "cache_bytes", "cache_shapes", "init_cache"]
+__all__ = ["cache_bytes", "cache_shapes", "init_cache"]

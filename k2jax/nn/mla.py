@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.config import K2Config
-from k2jax.inference.attention import attend_absorbed, attend_blocked
-from k2jax.nn.common import einsum, param
+from k2jax.nn.common import param
+from k2jax.ops.attention import attend_absorbed, attend_blocked, attend_expanded
+from k2jax.ops.matmul import einsum
+from k2jax.ops.quant import materialize
 from k2jax.nn.norm import RMSNorm
 from k2jax.nn.rope import apply_rope
 
 MODES = ("full", "causal", "prefill", "decode", "decode_expanded")
-
-_NEG_INF = -1e30  # finite, so fully masked rows give a uniform softmax instead of NaN
 
 
 class MLA(nn.Module):
@@ -26,8 +26,8 @@ class MLA(nn.Module):
 
     - "full": mask [B, T, T] (True = may attend); expanded attention (the plain reference) -> out.
     - "causal": mask = kv_valid [B, T] (causal implied); blocked expanded attention, which skips the tiles
-      above the diagonal (k2jax.inference.attention) -> out. What K2Model's forward runs.
-    - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.inference.attention)
+      above the diagonal (k2jax.ops.attention) -> out. What K2Model's forward runs.
+    - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.ops.attention)
       -> (out, {"ckv": [B, T, R], "k_pe": [B, T, P]}), the latents to cache.
     - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]} (this layer's), the T tokens' latents placed at
       slots index..index+T-1 of it, then absorbed attention over it under mask [B, T, S] -> (out, the T
@@ -48,31 +48,33 @@ class MLA(nn.Module):
         # Queries: low-rank (W_DQ, norm, W_UQ) or one projection when q_lora_rank is null.
         if cfg.q_lora_rank is not None:
             Q = cfg.q_lora_rank
-            cq_BTQ = einsum("BTD,DQ->BTQ", x_BTD, param(self, "q_a_proj", (D, Q), ("embed", "q_lora"), dt))
+            cq_BTQ = einsum("BTD,DQ->BTQ", x_BTD, param(self, "q_a_proj", (D, Q), ("embed", "q_lora"), dt), dtype=dt)
             cq_BTQ = RMSNorm(1e-6, dt, "q_lora", name="q_a_layernorm")(cq_BTQ)
             w_q_QNH = param(self, "q_b_proj", (Q, N, K + P), ("q_lora", "heads", "head_dim"), dt)
-            q_BTNH = einsum("BTQ,QNH->BTNH", cq_BTQ, w_q_QNH)
+            q_BTNH = einsum("BTQ,QNH->BTNH", cq_BTQ, w_q_QNH, dtype=dt)
         else:
             w_q_DNH = param(self, "q_proj", (D, N, K + P), ("embed", "heads", "head_dim"), dt)
-            q_BTNH = einsum("BTD,DNH->BTNH", x_BTD, w_q_DNH)
+            q_BTNH = einsum("BTD,DNH->BTNH", x_BTD, w_q_DNH, dtype=dt)
         q_nope_BTNK, q_pe_BTNP = q_BTNH[..., :K], q_BTNH[..., K:]
 
         # Keys and values: one shared latent ckv (normalised) and one shared rotary key k_pe.
         w_kv_a_DC = param(self, "kv_a_proj_with_mqa", (D, R + P), ("embed", "kv_lora"), dt)
-        kv_a_BSC = einsum("BSD,DC->BSC", x_BTD, w_kv_a_DC)
+        kv_a_BSC = einsum("BSD,DC->BSC", x_BTD, w_kv_a_DC, dtype=dt)
         ckv_BSR = RMSNorm(1e-6, dt, "kv_lora", name="kv_a_layernorm")(kv_a_BSC[..., :R])
         k_pe_BSP = kv_a_BSC[..., R:]
 
         q_pe_BTNP = apply_rope(q_pe_BTNP, positions_BT, cfg)
         k_pe_BSP = apply_rope(k_pe_BSP[:, :, None, :], positions_BT, cfg)[:, :, 0, :]
 
-        w_kv_b_RNX = param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt)
+        # A quantized kv_b_proj is dequantized once per layer and step here (R x N x (K+V), small): the
+        # attention kernels use it two ways (expanding the cache, or absorbed into the query and output).
+        w_kv_b_RNX = materialize(param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt), dt)
         w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
         attn = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask, cfg.softmax_scale)
         if self.mode == "full":
-            return einsum("BTNV,NVD->BTD", attend_expanded(*attn), w_o_NVD)
+            return einsum("BTNV,NVD->BTD", attend_expanded(*attn), w_o_NVD, dtype=dt)
         if self.mode == "causal":
-            return einsum("BTNV,NVD->BTD", attend_blocked(*attn), w_o_NVD)
+            return einsum("BTNV,NVD->BTD", attend_blocked(*attn), w_o_NVD, dtype=dt)
         if self.mode == "prefill":
             out_BTNV, kv = attend_blocked(*attn), {"ckv": ckv_BSR, "k_pe": k_pe_BSP}
         elif self.mode in ("decode", "decode_expanded"):
@@ -82,29 +84,5 @@ class MLA(nn.Module):
             out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, seen["ckv"], seen["k_pe"], w_kv_b_RNX, mask, cfg.softmax_scale)
         else:
             raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
-        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD), kv
+        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), kv
 
-
-def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
-    """Attention with keys and values expanded per head from the latent (W_UK, W_UV applied to ckv).
-
-    Returns the per-head outputs [B, T, N, V]. Scores and softmax in float32.
-
-    Laid out head-major ([B, N, ...]) with the scale folded into the query and optimization barriers
-    between the stages: XLA:CPU otherwise fuses the scale, the mask or a transposed output into the
-    matmuls and falls off its fast matmul kernels (measured 3-5x slower on the bench config).
-    """
-    K, P = q_nope_BTNK.shape[-1], q_pe_BTNP.shape[-1]
-    f32, dt = jnp.float32, ckv_BSR.dtype
-    barrier = jax.lax.optimization_barrier
-    kv_BNSX = barrier(jnp.einsum("BSR,RNX->BNSX", ckv_BSR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
-    k_nope_BNSK, v_BNSV = kv_BNSX[..., :K], kv_BNSX[..., K:]
-    q_BTNH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1)
-    q_BNTH = (q_BTNH.transpose(0, 2, 1, 3).astype(f32) * scale).astype(dt)
-    k_BNSH = jnp.concatenate([k_nope_BNSK, jnp.broadcast_to(k_pe_BSP[:, None].astype(dt),
-                                                            k_nope_BNSK.shape[:3] + (P,))], -1)
-    scores_BNTS = barrier(jnp.einsum("BNTH,BNSH->BNTS", q_BNTH, k_BNSH, preferred_element_type=f32))
-    scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
-    probs_BNTS = barrier(jax.nn.softmax(scores_BNTS, axis=-1).astype(dt))
-    out_BNTV = barrier(jnp.einsum("BNTS,BNSV->BNTV", probs_BNTS, v_BNSV, preferred_element_type=f32))
-    return out_BNTV.astype(dt).transpose(0, 2, 1, 3)

@@ -6,7 +6,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k2jax.nn.common import einsum, param
+from k2jax.nn.common import param
+from k2jax.ops.matmul import einsum
 
 
 class MLP(nn.Module):
@@ -21,5 +22,7 @@ class MLP(nn.Module):
         gate_DF = param(self, "gate_proj", (D, F), ("embed", "mlp"), self.param_dtype)
         up_DF = param(self, "up_proj", (D, F), ("embed", "mlp"), self.param_dtype)
         down_FD = param(self, "down_proj", (F, D), ("mlp", "embed"), self.param_dtype)
-        h_BTF = jax.nn.silu(einsum("...D,DF->...F", x_BTD, gate_DF)) * einsum("...D,DF->...F", x_BTD, up_DF)
-        return einsum("...F,FD->...D", h_BTF, down_FD)
+        dt = self.param_dtype
+        h_BTF = (jax.nn.silu(einsum("...D,DF->...F", x_BTD, gate_DF, dtype=dt))
+                 * einsum("...D,DF->...F", x_BTD, up_DF, dtype=dt))
+        return einsum("...F,FD->...D", h_BTF, down_FD, dtype=dt)

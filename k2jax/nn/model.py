@@ -8,8 +8,10 @@ import jax.numpy as jnp
 
 from k2jax.config import K2Config
 from k2jax.nn.block import DecoderBlock
-from k2jax.nn.common import einsum, param
+from k2jax.nn.common import param
+from k2jax.ops.matmul import einsum
 from k2jax.nn.norm import RMSNorm
+from k2jax.nn.quantized import abstract_quantized, quantized_axes
 
 
 class K2Model(nn.Module):
@@ -140,9 +142,10 @@ def split_experts(params):
     new arrays; drop the stacked params to free their memory. `stack_experts` undoes it.
     """
     def layers(v):  # abstract params (jax.ShapeDtypeStruct) split too, for ahead-of-time compiles
-        if isinstance(v, jax.ShapeDtypeStruct):
-            return (jax.ShapeDtypeStruct(v.shape[1:], v.dtype),) * v.shape[0]
-        return tuple(v[i] for i in range(v.shape[0]))
+        n = v.shape[0]
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v)):
+            return (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), v),) * n
+        return tuple(v[i] for i in range(n))  # a QuantizedWeight indexes its values and scales alike
 
     stacked = subtree(params, _EXPERT_PATH)
     rest = with_subtree(params, _EXPERT_PATH[:-1], lambda mlp: {k: v for k, v in mlp.items() if k != "experts"})
@@ -151,7 +154,7 @@ def split_experts(params):
 
 def stack_experts(params):
     """Inverse of split_experts: the stacked layout that checkpoints, sharding and training use."""
-    stacked = {k: jnp.stack(v) for k, v in params[SPLIT_EXPERTS].items()}
+    stacked = {k: jax.tree.map(lambda *a: jnp.stack(a), *v) for k, v in params[SPLIT_EXPERTS].items()}
     rest = {k: v for k, v in params.items() if k != SPLIT_EXPERTS}
     return with_subtree(rest, _EXPERT_PATH[:-1], lambda mlp: mlp | {"experts": stacked})
 
@@ -180,14 +183,21 @@ def init_params(cfg: K2Config, rng=None, param_dtype=jnp.float32, moe_impl="auto
         return _unbox(jax.jit(model.init)(rng, jnp.zeros((1, 1), jnp.int32))["params"])
 
 
-def abstract_params(cfg: K2Config, param_dtype=jnp.float32):
-    """The param tree as jax.ShapeDtypeStruct leaves, with no memory allocated (serves the full 1T config)."""
-    return _unbox(_boxed_shapes(cfg, param_dtype))
+def abstract_params(cfg: K2Config, param_dtype=jnp.float32, quant: str | None = None):
+    """The param tree as jax.ShapeDtypeStruct leaves, with no memory allocated (serves the full 1T config).
+
+    quant "fp8" | "int4": the params that quantization holds (k2jax.nn.quantized) are QuantizedWeight leaves
+    of abstract values and scales; the rest in param_dtype.
+    """
+    shapes = _unbox(_boxed_shapes(cfg, param_dtype))
+    return shapes if quant is None else abstract_quantized(shapes, quant)
 
 
-def param_axes(cfg: K2Config):
-    """Logical axis names of every param (same tree as abstract_params), from the modules' annotations."""
-    return nn.get_partition_spec(_boxed_shapes(cfg, jnp.float32))
+def param_axes(cfg: K2Config, quant: str | None = None):
+    """Logical axis names of every param (same tree as abstract_params(cfg, quant=quant)), from the modules'
+    annotations; a quantized param's leaf is a QuantizedWeight of its values' and scales' names."""
+    axes = nn.get_partition_spec(_boxed_shapes(cfg, jnp.float32))
+    return axes if quant is None else quantized_axes(axes, quant)
 
 
 def _boxed_shapes(cfg: K2Config, param_dtype):

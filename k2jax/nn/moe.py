@@ -1,16 +1,12 @@
 """Mixture of experts: sigmoid router with grouped top-k (noaux_tc), routed SwiGLU experts, shared experts.
 
 Letters: T tokens (batch and positions flattened), D model, E routed experts, K top-k, F expert hidden,
-M = T*K (token, expert) assignments, G expert groups.
+G expert groups.
 
-Two ways to run the routed experts, with the same parameters:
-- `moe_dense`: every expert on every token, masked by the router weights. Obviously correct, E/K times the
-  work; the reference the fast path is tested against.
-- `moe_grouped`: dropless dispatch. Assignments are sorted by expert and each expert's rows run through its
-  own weights only. On GPU/TPU the sorted rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
-  XLA:CPU has no real kernel for it, so `grouped_moe` runs one batched matmul over every expert's first
-  C rows (C sized for a balanced load) and a loop over tiles for what a hot expert has beyond C; for
-  decode-sized batches it gathers the chosen experts' weights instead.
+The routed experts run through one of k2jax.ops.moe's dispatch kernels, with the same parameters:
+"dense" (`moe_dense`, every expert on every token: the reference), "tiled" (`grouped_moe`, XLA:CPU's
+batched-plus-tiles path) or "ragged" (`jax.lax.ragged_dot`); under a mesh the expert-parallel exchange of
+k2jax.ops.expert_parallel runs them on the devices holding them.
 """
 
 from __future__ import annotations
@@ -22,6 +18,9 @@ import jax.numpy as jnp
 from k2jax.config import K2Config
 from k2jax.nn.common import param
 from k2jax.nn.mlp import MLP
+from k2jax.ops.expert_parallel import moe_expert_parallel
+from k2jax.ops.moe import grouped_dispatch, moe_dense, moe_grouped
+from k2jax.ops.quant import compute_dtype
 
 MOE_IMPLS = ("auto", "dense", "tiled", "ragged")
 
@@ -140,8 +139,6 @@ class MoE(nn.Module):
             if impl == "dense":
                 return moe_dense(x_TD, idx_TK, weight_TK, *w)
             if sharded:
-                from k2jax.expert_parallel import moe_expert_parallel  # under a mesh (k2jax.sharding.use_mesh)
-
                 return moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
             return moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity)
 
@@ -156,7 +153,7 @@ class MoE(nn.Module):
             if impl == "tiled":  # the routing's index work outside the switch: compiled once, not per layer
                 run = grouped_dispatch(idx_TK, weight_TK, cfg.n_routed_experts, capacity=self.capacity,
                                        tile=self.tile)
-                branches = [lambda x, w=w: run(x.astype(w[0].dtype), *w) for w in layers]
+                branches = [lambda x, w=w: run(x.astype(compute_dtype(w[0], x)), *w) for w in layers]
                 y_TD = jax.lax.switch(layer, branches, x_TD)
             else:
                 branches = [lambda x, i, wt, w=w: routed(x, i, wt, w) for w in layers]
@@ -165,233 +162,3 @@ class MoE(nn.Module):
         if cfg.n_shared_experts:
             y_BTD = y_BTD + MLP(cfg.shared_intermediate_size, self.param_dtype, name="shared_experts")(x_BTD)
         return y_BTD
-
-
-def _swiglu(x, gate, up, down):
-    """x [..., C, D] with weights [..., D, F], [..., F, D] (the same leading batch axes, e.g. experts)."""
-    f32 = jnp.float32
-    g = jnp.einsum("...CD,...DF->...CF", x, gate, preferred_element_type=f32).astype(x.dtype)
-    u = jnp.einsum("...CD,...DF->...CF", x, up, preferred_element_type=f32).astype(x.dtype)
-    return jnp.einsum("...CF,...FD->...CD", jax.nn.silu(g) * u, down, preferred_element_type=f32).astype(x.dtype)
-
-
-def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
-    """Reference: every expert on every token; unchosen experts get weight 0. Returns [T, D]."""
-    E = gate_EDF.shape[0]
-    x_TD = x_TD.astype(gate_EDF.dtype)
-    combine_TE = jnp.zeros((x_TD.shape[0], E), jnp.float32).at[
-        jnp.arange(x_TD.shape[0])[:, None], idx_TK].add(weight_TK)
-    y_ETD = jax.vmap(lambda g, u, d: _swiglu(x_TD, g, u, d))(gate_EDF, up_EDF, down_EFD)
-    return jnp.einsum("ETD,TE->TD", y_ETD.astype(jnp.float32), combine_TE).astype(x_TD.dtype)
-
-
-def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=None, capacity=None):
-    """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense.
-
-    tile, capacity: the CPU path's static sizes (see grouped_moe); None picks them from the shapes.
-    """
-    T, K = idx_TK.shape
-    x_TD = x_TD.astype(gate_EDF.dtype)
-    if impl != "ragged":
-        return grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, tile=tile, capacity=capacity)
-    flat_M = idx_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)
-    sizes_E = jnp.bincount(flat_M, length=gate_EDF.shape[0])
-    y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
-    y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
-    return _combine(y_MD.reshape(T, K, -1), weight_TK).astype(x_TD.dtype)
-
-
-def _combine(y_TKD, weight_TK):
-    """Σ_k w_k y_k in float32 -> [T, D]."""
-    return (y_TKD.astype(jnp.float32) * weight_TK[..., None]).sum(1)
-
-
-def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
-    f32 = jnp.float32
-    g = jax.lax.ragged_dot(x_MD, gate_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
-    u = jax.lax.ragged_dot(x_MD, up_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
-    h = jax.nn.silu(g) * u
-    return jax.lax.ragged_dot(h, down_EFD, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
-
-
-def default_sizes(M: int, E: int) -> tuple[int, int]:
-    """(capacity, tile) for M assignments over E experts, both static.
-
-    Capacity: enough that a balanced load (a trained router's) never overflows, mean + 2 standard deviations
-    of a binomial load rounded up to 8 rows, so the batched matmul does nearly all the work. Tile: the next
-    power of two above the capacity, at most 128 rows, since a skewed load (an untrained router's: on the
-    bench config some experts get 300 rows and others none) overflows by hundreds of rows per hot expert,
-    and each tile copies its expert's weights. Measured on that skew: tiles of 8, 32, 64, 128 rows gave a
-    forward of 957, 580, 523, 502 ms.
-    """
-    mean = M / E
-    capacity = 8 * -(-int(mean + 2 * mean**0.5) // 8)
-    return capacity, min(128, 1 << (capacity - 1).bit_length())
-
-
-def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None,
-                out_dtype=None):
-    """Σ_k w_k · SwiGLU_{idx_k}(x) for XLA:CPU, which has no grouped matmul kernel. x [T, D], idx/weight
-    [T, K] -> [T, D] in out_dtype (default x's). idx == E (an expert held elsewhere; expert parallelism)
-    adds nothing.
-
-    - Each expert's first `capacity` rows go to an [E, C, D] buffer and one batched matmul per projection
-      runs all experts at once, reading the stacked weights in place. The outputs are gathered back per
-      token, weighted and summed in one pass.
-    - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
-      rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert,
-      added into its tokens' outputs. Its trip count is the number of such tiles, usually 0.
-    - With under one assignment per four experts (decode) and capacity left to None, each assignment's
-      expert weights are gathered instead: the batched matmul would read every expert for a few rows, and
-      on XLA:CPU taking a layer's expert stack out of the scanned params for a matmul copies all of it,
-      where a gather reads only the rows it needs.
-    """
-    dispatch = grouped_dispatch(idx_TK, weight_TK, gate_EDF.shape[0], capacity=capacity, tile=tile)
-    return dispatch(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype)
-
-
-def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
-    """grouped_moe in two steps: the routing's index work here, once; the returned
-    `run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None) -> [T, D]` does the expert work. Several expert
-    sets can then share one dispatch (k2jax.nn.model.split_experts: a switch branch per layer holds only the
-    expert work, so compiling a branch per layer costs less)."""
-    T, K = idx_TK.shape
-    M = T * K
-    if capacity is None and 4 * M <= E:
-        weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
-        idx_TK = jnp.minimum(idx_TK, E - 1)
-
-        def run_gathered(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
-            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)
-            return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
-
-        return run_gathered
-    auto_c, auto_t = default_sizes(M, E)
-    C = auto_c if capacity is None else capacity
-    tile = auto_t if tile is None else tile
-
-    flat_M = idx_TK.reshape(-1)
-    order_M = jnp.argsort(flat_M, stable=True)  # sorted position -> assignment
-    e_sorted_M = jnp.minimum(flat_M[order_M], E - 1)
-    here_M = flat_M[order_M] < E  # sorted last: the assignments held elsewhere
-    sizes_E = jnp.bincount(flat_M, length=E + 1)[:E]
-    rank_sorted_M = jnp.arange(M) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_M]
-    tok_sorted_M = (order_M // K).astype(jnp.int32)
-
-    # Capacity part: slot e*C + rank; rows past capacity get slot E*C and take no part.
-    in_cap_M = here_M & (rank_sorted_M < C)
-    slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
-    if C:
-        src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C]
-        slot_TK = jnp.zeros(M, jnp.int32).at[order_M].set(slot_sorted_M.astype(jnp.int32)).reshape(T, K)
-
-    # Overflow part: at most M - C rows, over at most min(E, M // (C + 1)) experts (static bound on tiles).
-    over_rows = M - C if C else M
-    over_experts = min(E, M // (C + 1))
-    overflow = over_rows > 0 and over_experts > 0
-    if overflow:
-        n_tiles = -(-(over_rows + over_experts * (tile - 1)) // tile)
-        padded_E = -(-jnp.maximum(sizes_E - C, 0) // tile) * tile
-        pad_end_E = jnp.cumsum(padded_E)
-        pos_sorted_M = jnp.where(here_M & ~in_cap_M, (pad_end_E - padded_E)[e_sorted_M] + rank_sorted_M - C,
-                                 n_tiles * tile)
-        src_nC = jnp.full(n_tiles * tile, T, jnp.int32).at[pos_sorted_M].set(
-            tok_sorted_M, mode="drop").reshape(n_tiles, tile)
-        w_nC = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
-            weight_TK.reshape(-1)[order_M], mode="drop").reshape(n_tiles, tile)
-        tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
-        n_active = pad_end_E[-1] // tile
-
-    def run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
-        D = x_TD.shape[1]
-        x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
-        y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
-        if C:
-            y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
-            # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
-            got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
-            y_TD = _combine(got_TKD, weight_TK)
-        if overflow:
-            y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
-            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, tile_expert, n_active, gate_EDF, up_EDF, down_EFD)[:T]
-        return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
-
-    return run
-
-
-def _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
-    """Decode-sized grouped_moe: each token's K experts' weights gathered (only those are read), the router
-    weights scaling the hidden units so that the down projection also sums the experts. Rows are padded to 4
-    (R): with fewer, XLA:CPU converts the weights to float32 before multiplying."""
-    T, D = x_TD.shape
-    K = idx_TK.shape[1]
-    f32, dt = jnp.float32, x_TD.dtype
-    x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, 3), (0, 0)]), (T, K, 4, D))
-    g_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, gate_EDF[idx_TK], preferred_element_type=f32).astype(dt)
-    u_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, up_EDF[idx_TK], preferred_element_type=f32).astype(dt)
-    h_TKRF = ((jax.nn.silu(g_TKRF) * u_TKRF).astype(f32) * weight_TK[:, :, None, None]).astype(dt)
-    y_TRD = jnp.einsum("TKRF,TKFD->TRD", h_TKRF, down_EFD[idx_TK], preferred_element_type=f32)
-    return y_TRD[:, 0].astype(dt)
-
-
-@jax.custom_vjp
-def _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    """y_ext[src[j]] += w[j] · SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each);
-    y float32.
-
-    A while loop visits only the active tiles and gathers/scatters their rows itself, so nothing sized by
-    the static tile bound is materialised. Its own backward pass (below) adds each tile's weight gradient
-    into its expert's slot: differentiating the loop directly would add a zero-padded gradient of all
-    experts' weights on every tile.
-    """
-    def body(j, y):
-        e, src_C = expert_n[j], src_nC[j]
-        out_CD = _swiglu(x_ext[src_C], gate_EDF[e], up_EDF[e], down_EFD[e])
-        return y.at[src_C].add(out_CD.astype(jnp.float32) * w_nC[j][:, None])
-
-    return jax.lax.fori_loop(0, n_active, body, y_ext)
-
-
-def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
-    return out, (x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
-
-
-def _tile_loop_bwd(res, dy_ext):
-    x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
-    f32, dt = jnp.float32, x_ext.dtype
-
-    def mm(eq, a, b):
-        return jnp.einsum(eq, a, b, preferred_element_type=f32)
-
-    def body(j, carry):
-        dx_ext, dw_nC, dgate, dup, ddown = carry
-        e, src_C = expert_n[j], src_nC[j]
-        x_CD, dy_CD = x_ext[src_C], dy_ext[src_C]
-        gate_DF, up_DF, down_FD = gate_EDF[e], up_EDF[e], down_EFD[e]
-        # Recompute the forward in the same dtypes as _swiglu.
-        g_CF = mm("CD,DF->CF", x_CD, gate_DF).astype(dt).astype(f32)
-        u_CF = mm("CD,DF->CF", x_CD, up_DF).astype(dt).astype(f32)
-        sig_CF = jax.nn.sigmoid(g_CF)
-        h_CF = ((g_CF * sig_CF).astype(dt).astype(f32) * u_CF).astype(dt)
-        out_CD = mm("CF,FD->CD", h_CF, down_FD).astype(dt).astype(f32)
-        dw_C = (dy_CD * out_CD).sum(-1)
-        dout_CD = (dy_CD * w_nC[j][:, None]).astype(dt)
-        dh_CF = mm("CD,FD->CF", dout_CD, down_FD)
-        dg_CF = (dh_CF * u_CF * sig_CF * (1 + g_CF * (1 - sig_CF))).astype(dt)
-        du_CF = (dh_CF * g_CF * sig_CF).astype(dt)
-        dx_CD = mm("CF,DF->CD", dg_CF, gate_DF) + mm("CF,DF->CD", du_CF, up_DF)
-        return (dx_ext.at[src_C].add(dx_CD.astype(dt)), dw_nC.at[j].set(dw_C),
-                dgate.at[e].add(mm("CD,CF->DF", x_CD, dg_CF)),
-                dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)),
-                ddown.at[e].add(mm("CF,CD->FD", h_CF, dout_CD)))
-
-    init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC), jnp.zeros_like(gate_EDF, f32), jnp.zeros_like(up_EDF, f32),
-            jnp.zeros_like(down_EFD, f32))
-    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
-    return (dx_ext, dy_ext, None, dw_nC, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
-            ddown.astype(down_EFD.dtype))
-
-
-_tile_loop.defvjp(_tile_loop_fwd, _tile_loop_bwd)

@@ -64,8 +64,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: values and scales."""
-        return int(self.values.nbytes + self.scales.nbytes)
+        """Bytes held: values and scales (also for abstract jax.ShapeDtypeStruct leaves)."""
+        return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in (self.values, self.scales))
 
     def __getitem__(self, idx) -> "QuantizedWeight":
         """Index the lead axes (layers, experts) of values and scales alike."""
@@ -143,3 +143,63 @@ def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeig
         values = pack_int4(xp.clip(xp.round(w2 / s), -8, INT4_MAX).astype(xp.int8).reshape(shape))
         scales = scales.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16)
     return QuantizedWeight(values, scales, fmt, in_ndim)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def compute_dtype(w, x):
+    """The dtype a matmul of activations x with weight w runs in: a plain weight's own dtype (as the modules
+    always did), x's for a QuantizedWeight (the model's param dtype: fp8 / int4 values are only storage)."""
+    return x.dtype if is_quantized(w) else w.dtype
+
+
+def materialize(w, dtype):
+    """w itself if plain; a QuantizedWeight dequantized to `dtype`. Called right at a matmul's operand inside
+    the jitted step: the convert and the scale are elementwise on the values, so XLA:GPU/TPU fuse them into
+    the dot's operand and no dequantized copy of the weight outlives the op (XLA:CPU runs them as a separate
+    fusion writing a temp of the operand's size; bench/quant.py measures it)."""
+    return dequantize(w, dtype) if is_quantized(w) else w
+
+
+def scale_partition(w: QuantizedWeight, values_spec, mesh_shape: dict) -> tuple:
+    """The PartitionSpec entries of w.scales given those of w.values (one per values dim): the lead dims
+    (layers, experts) as the values; the input and the output block dims take the mesh axes of the first
+    dim of their group when that shards whole blocks (each shard a multiple of the block, the block count
+    divisible), else None (replicated: every device holds all of the few scales and reads the ones of its
+    shard). Used by k2jax.sharding (param shardings) and the expert-parallel shard_map alike."""
+    spec = tuple(values_spec) + (None,) * (w.ndim - len(tuple(values_spec)))
+    lead, ni = w.lead_ndim, w.in_ndim
+    shape = w.shape
+    In, Out = _matrix_shape(shape, lead, ni)
+    out = list(spec[:lead])
+    for group, size, block, nblocks in ((range(lead, lead + ni), In, w.block[0], w.scales.shape[-2]),
+                                        (range(lead + ni, len(shape)), Out, w.block[1], w.scales.shape[-1])):
+        first, *rest = [spec[d] for d in group]
+        n = _shards(first, mesh_shape)
+        ok = first is not None and all(r is None for r in rest) and (size // n) % block == 0 and nblocks % n == 0
+        out.append(first if ok else None)
+    return tuple(out)
+
+
+def _shards(entry, mesh_shape) -> int:
+    if entry is None:
+        return 1
+    return math.prod(mesh_shape.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def dequantize_shard(w: QuantizedWeight, offsets, dtype):
+    """Dequantize a shard of a weight whose scales are the whole weight's (replicated; see scale_partition):
+    w.values [*lead, *in, *out] local, offsets (in_offset, out_offset) of this shard in the flattened
+    [In, Out] matrix (traced ints) -> [*lead, *in, *out] in dtype. Each element's scale is gathered by its
+    global block index."""
+    q = unpack_int4(w.values) if w.fmt == "int4" else w.values
+    lead = w.lead_ndim
+    shape = tuple(q.shape)
+    In, Out = _matrix_shape(shape, lead, w.in_ndim)
+    bi, bo = w.block
+    rows = (offsets[0] + jnp.arange(In)) // bi
+    cols = (offsets[1] + jnp.arange(Out)) // bo
+    s = jnp.take(jnp.take(w.scales.astype(jnp.float32), rows, axis=-2), cols, axis=-1)
+    return (q.reshape(*shape[:lead], In, Out).astype(jnp.float32) * s).reshape(shape).astype(dtype)

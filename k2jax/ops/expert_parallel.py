@@ -6,7 +6,7 @@ per round, R received rows, M (row, expert) slots.
 
 Tokens are split over (data, fsdp, expert); every `tensor` rank of a group holds the same tokens and computes
 its slice f of each expert's hidden dim, so the partial down projections are summed over `tensor` at the end.
-Two exchanges, both dropless and exact (they equal k2jax.nn.moe.moe_grouped up to float summation order):
+Two exchanges, both dropless and exact (they equal k2jax.ops.moe.moe_grouped up to float summation order):
 
 - "all_to_all": each token goes once to each device holding at least one of its experts, with its expert ids
   and router weights for that device; the device returns Σ_k w_k Expert_k(x) over its experts. XLA needs
@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.nn.moe import _ragged_swiglu, grouped_moe
+from k2jax.ops.moe import _ragged_swiglu, grouped_moe
+from k2jax.ops.quant import QuantizedWeight, compute_dtype, dequantize_shard, is_quantized, scale_partition
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -50,6 +51,10 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
 
     mode: one of EP_MODES (see the module docstring). impl: "tiled" (XLA:CPU) or "ragged" (ragged_dot) for the
     local grouped matmul. capacity_factor: rows per round per destination = cap · t·K/n (at most t).
+
+    The expert stacks may be QuantizedWeight: each device gets its experts' values and the scales of their
+    blocks (k2jax.ops.quant.scale_partition); where a shard of F does not hold whole blocks (tiny dims), the
+    scales come replicated and the device dequantizes its local shard once per call.
     """
     if mode not in EP_MODES:
         raise ValueError(f"expert-parallel mode must be one of {EP_MODES}, got {mode!r}")
@@ -66,7 +71,7 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     c = max(1, min(t, math.ceil(capacity_factor * t * K / n)))
     if mode == "auto":
         mode = "gather" if c == t else "all_to_all"
-    x_TD = x_TD.astype(gate_EDF.dtype)
+    x_TD = x_TD.astype(compute_dtype(gate_EDF, x_TD))
     # Padding rows route to K distinct experts (a row's experts are distinct: local_experts relies on it).
     x_TD, weight_TK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_TD, weight_TK))
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
@@ -74,11 +79,16 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     e_ax = "expert" if "expert" in mesh.shape else None
     f_ax = "tensor" if "tensor" in mesh.shape else None
 
+    w_specs = tuple(_weight_spec(w, spec, mesh) for w, spec in
+                    ((gate_EDF, P(e_ax, None, f_ax)), (up_EDF, P(e_ax, None, f_ax)), (down_EFD, P(e_ax, f_ax, None))))
+
     def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
+        gate_eDf, up_eDf, down_efD = (_local_weight(w, spec, mesh, x_tD.dtype) for w, spec in
+                                      zip((gate_eDf, up_eDf, down_efD), w_specs))
         # Under grad, an input replicated over a mesh axis (the experts over data, the tokens over tensor) has
         # its cotangent psum'd over that axis where it first meets a value that varies: made to vary over
         # every axis here, those psums run once, here. Otherwise they run inside the tile loop (its trip count,
-        # k2jax.nn.moe.grouped_moe's active tiles, differs between devices): a psum over data there never
+        # k2jax.ops.moe.grouped_moe's active tiles, differs between devices): a psum over data there never
         # completes (some devices of its group stop looping earlier). Adding 0.0 changes no value, and XLA
         # folds the add away. (The all-to-all rounds' cond is safe: its predicate is pmax'd over all groups.)
         x_tD, w_tK, gate_eDf, up_eDf, down_efD = _vary_all(x_tD, w_tK, gate_eDf, up_eDf, down_efD)
@@ -92,8 +102,7 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
         return y_tD.astype(x_tD.dtype)
 
     fn = jax.shard_map(local, mesh=mesh,
-                       in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None),
-                                 P(e_ax, None, f_ax), P(e_ax, None, f_ax), P(e_ax, f_ax, None)),
+                       in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None)) + w_specs,
                        out_specs=P(t_ax, None))
     return fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
 
@@ -165,16 +174,54 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
     return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
 
 
+def _weight_spec(w, spec, mesh):
+    """shard_map in_spec of an expert stack: spec itself, or for a QuantizedWeight its values' and scales'."""
+    if not is_quantized(w):
+        return spec
+    return QuantizedWeight(spec, P(*scale_partition(w, spec, dict(mesh.shape))), w.fmt, w.in_ndim)
+
+
+def _local_weight(w, spec, mesh, dtype):
+    """This device's expert weights: as given, unless a QuantizedWeight's values are split along a dim whose
+    scales came replicated (the shard holds part of a block): then that shard dequantized to `dtype`, using
+    the scales at its global offset."""
+    if not is_quantized(w) or not _split_blocks(w, spec):
+        return w
+    lead, ni = w.lead_ndim, w.in_ndim
+    vals = tuple(spec.values) + (None,) * (w.ndim - len(tuple(spec.values)))
+    shape = w.shape  # the local logical shape
+    offsets = []
+    for i, group in enumerate((range(lead, lead + ni), range(lead + ni, len(shape)))):
+        first = vals[group[0]]
+        if first is None or spec.scales[lead + i] is not None:
+            offsets.append(0)  # whole, or sharded with whole blocks: the local scales are the shard's own
+            continue
+        idx = 0
+        for a in ((first,) if isinstance(first, str) else first):  # row-major over the axes, as NamedSharding
+            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+        offsets.append(idx * math.prod(shape[d] for d in group))
+    return dequantize_shard(w, offsets, dtype)
+
+
+def _split_blocks(w, spec) -> bool:
+    """Whether some matrix dim of w is sharded in its values but replicated in its scales."""
+    lead, ni = w.lead_ndim, w.in_ndim
+    vals = tuple(spec.values) + (None,) * (w.ndim - len(tuple(spec.values)))
+    firsts = (vals[lead], vals[lead + ni])
+    return any(f is not None and spec.scales[lead + i] is None for i, f in enumerate(firsts))
+
+
 def _vary_all(*arrays):
-    """The arrays, each plus a zero that varies over the manual mesh axes of all of them."""
-    z = _zeros((), jnp.float32, *arrays)
-    return tuple(a + z.astype(a.dtype) for a in arrays)
+    """The arrays, each plus a zero that varies over the manual mesh axes of all of them. QuantizedWeights
+    pass unchanged: they are frozen (no gradient), so no cotangent psum to place."""
+    z = _zeros((), jnp.float32, *arrays)  # varies as all of them do, a QuantizedWeight's values included
+    return tuple(a if is_quantized(a) else a + z.astype(a.dtype) for a in arrays)
 
 
 def _zeros(shape, dtype, *like):
     """Zeros that vary over the same manual mesh axes as all of `like` (shard_map's cond branches and scan
     carries must agree on them); built from the values, so no version-specific typing API is needed."""
     z = jnp.zeros(shape, dtype)
-    for a in like:
+    for a in jax.tree.leaves(like):  # a QuantizedWeight: its values and scales
         z = z + jnp.zeros_like(a, dtype, shape=())
     return z

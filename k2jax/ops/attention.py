@@ -1,5 +1,7 @@
-"""MLA attention kernels for inference, beside `k2jax.nn.mla.attend_expanded` (the plain reference).
+"""MLA attention kernels: the plain expanded form and the two fast forms tested equal to it.
 
+- `attend_expanded` (the reference): keys and values expanded per head from the latent, one [T, S] score
+  matrix. Optimization barriers between its stages are an XLA:CPU workaround (see its docstring).
 - `attend_blocked` (prefill): the expanded form, but queries and keys visited in blocks with an online
   softmax, so memory grows linearly with the prompt instead of holding the [T, T] score matrix; key blocks
   above the causal diagonal are skipped.
@@ -7,8 +9,9 @@
   step reads the latent cache once and never expands it per head.
 
 Letters as in k2jax.nn.mla: B batch, T queries, S keys, N heads, K nope head dim, P rope head dim,
-R kv_lora_rank, V value head dim, X = K + V. All three return the per-head outputs [B, T, N, V] in the
-cache's dtype; scores and softmax are float32.
+R kv_lora_rank, V value head dim, X = K + V. All return the per-head outputs [B, T, N, V] in the
+cache's dtype; scores and softmax are float32. w_kv_b may be a QuantizedWeight: dequantized once per call
+(R x N x (K+V), small), in the cache's dtype.
 """
 
 from __future__ import annotations
@@ -16,8 +19,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -1e30  # finite (as in nn.mla): a row with nothing to attend to averages instead of giving NaN
+from k2jax.ops.quant import materialize
+
+_NEG_INF = -1e30  # finite, so a row with nothing to attend to averages instead of giving NaN
 DEFAULT_BLOCK = 256  # measured on XLA:CPU at 512 tokens: 256 beats 128 and 512 (no causal skip)
+
+
+def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
+    """Attention with keys and values expanded per head from the latent (W_UK, W_UV applied to ckv).
+
+    Returns the per-head outputs [B, T, N, V]. Scores and softmax in float32.
+
+    Laid out head-major ([B, N, ...]) with the scale folded into the query and optimization barriers
+    between the stages: XLA:CPU otherwise fuses the scale, the mask or a transposed output into the
+    matmuls and falls off its fast matmul kernels (measured 3-5x slower on the bench config).
+    """
+    K, P = q_nope_BTNK.shape[-1], q_pe_BTNP.shape[-1]
+    f32, dt = jnp.float32, ckv_BSR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
+    barrier = jax.lax.optimization_barrier
+    kv_BNSX = barrier(jnp.einsum("BSR,RNX->BNSX", ckv_BSR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
+    k_nope_BNSK, v_BNSV = kv_BNSX[..., :K], kv_BNSX[..., K:]
+    q_BTNH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1)
+    q_BNTH = (q_BTNH.transpose(0, 2, 1, 3).astype(f32) * scale).astype(dt)
+    k_BNSH = jnp.concatenate([k_nope_BNSK, jnp.broadcast_to(k_pe_BSP[:, None].astype(dt),
+                                                            k_nope_BNSK.shape[:3] + (P,))], -1)
+    scores_BNTS = barrier(jnp.einsum("BNTH,BNSH->BNTS", q_BNTH, k_BNSH, preferred_element_type=f32))
+    scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
+    probs_BNTS = barrier(jax.nn.softmax(scores_BNTS, axis=-1).astype(dt))
+    out_BNTV = barrier(jnp.einsum("BNTS,BNSV->BNTV", probs_BNTS, v_BNSV, preferred_element_type=f32))
+    return out_BNTV.astype(dt).transpose(0, 2, 1, 3)
 
 
 def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
@@ -29,6 +60,7 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """
     K = q_nope_BTNK.shape[-1]
     f32, dt = jnp.float32, ckv_BSR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
     q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32).astype(dt)
     scores_BNTS = (
@@ -62,10 +94,11 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
     B, T, N, K = q_nope_BTNK.shape
     P, V = q_pe_BTNP.shape[-1], w_kv_b_RNX.shape[-1] - K
     f32, dt = jnp.float32, ckv_BTR.dtype
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     block = min(block, T)
     nb = -(-T // block)
     pad = nb * block - T
-    barrier = jax.lax.optimization_barrier  # keeps XLA:CPU's fusions off the matmuls (see nn.mla)
+    barrier = jax.lax.optimization_barrier  # XLA:CPU workaround (see attend_expanded)
 
     # Head-major, the scale folded into the query; [nope; rope] on one axis, so one matmul gives a score tile.
     kv_BNTX = barrier(jnp.einsum("BTR,RNX->BNTX", ckv_BTR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
