@@ -12,6 +12,7 @@ thread: keep it short (the HTTP layer hands the event to its event loop).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -92,10 +93,13 @@ class Engine:
         self.metrics = metrics or Metrics(max_batch)
         self.sync = sync  # multi-host: agrees on each step's admissions and cancellations (k2jax.serving.multihost)
         dt = params["embed_tokens"].dtype
+        self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.cache = dev.slot_cache(model.cfg, max_batch, max_len, dt, kv_cache_dtype, mesh)
         prefill, decode_step = dev.make_steps(model, max_len)
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode_step, donate_argnums=(1,))
+        # The cache comes back laid out as it went in: one executable per step kind, however often it runs.
+        out = None if mesh is None else (jax.tree.map(lambda x: x.sharding, self.cache), self._rep)
+        self._prefill = jax.jit(prefill, donate_argnums=(1,), out_shardings=out)
+        self._decode = jax.jit(decode_step, donate_argnums=(1,), out_shardings=out)
         self.slots: list[Request | None] = [None] * max_batch
         self.tokens = np.zeros(max_batch, np.int32)  # each live slot's next input token
         self.pos = np.zeros(max_batch, np.int32)  # and its position
@@ -148,25 +152,57 @@ class Engine:
         return len(self.waiting) + len(self._inbox)
 
     # --- the engine thread ------------------------------------------------------------------------
+    def _context(self):
+        """The mesh context the steps are traced under. Thread-local: entered on the thread that steps, or
+        the engine thread would trace (and compile) other programs than warm_up did."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from k2jax.sharding import use_mesh
+
+        return use_mesh(self.mesh)
+
     def warm_up(self) -> float:
         """Compile every step (each prefill chunk size and the decode step) on dummy inputs; -> seconds."""
+        with self._context():
+            return self._warm_up()
+
+    def _warm_up(self) -> float:
         t0 = time.perf_counter()
         samp1 = {k: v[0] for k, v in dev.samp_arrays(1).items()}
         for c in dev.chunk_sizes(self.prefill_chunk):
-            self.cache, tok = self._prefill(self.params, self.cache, np.int32(0), np.zeros(c, np.int32),
-                                            np.int32(0), np.int32(1), samp1)
-        self.cache, toks = self._decode(self.params, self.cache, self.tokens, self.pos,
-                                        np.zeros(self.max_batch, bool), self.samp)
+            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
+                np.int32(0), np.zeros(c, np.int32), np.int32(0), np.int32(1), samp1))
+        self.cache, toks = self._decode(self.params, self.cache, *self._put(
+            self.tokens, self.pos, np.zeros(self.max_batch, bool), self.samp))
         jax.block_until_ready((tok, toks))
         return time.perf_counter() - t0
 
+    def _put(self, *host):
+        """Host inputs of a step, replicated over the mesh (under jax.distributed every process passes the
+        same values)."""
+        if self._rep is None:
+            return host
+        return jax.device_put(host, self._rep)
+
+    def run_follower(self) -> None:
+        """A process other than 0 under jax.distributed: step whenever process 0 does, until it stops."""
+        with self._context():
+            while not self.sync.stopped:
+                self.step()
+
     def run(self) -> None:
         """Step until stop(); sleeps while there is nothing to do."""
+        with self._context():
+            self._run()
+
+    def _run(self) -> None:
         while True:
             with self._lock:
                 while not self._stop and not self._busy():
                     self._wake.wait(0.5)
                 if self._stop:
+                    if self.sync is not None:
+                        self.sync.close()
                     return
             self.step()
 
@@ -180,6 +216,8 @@ class Engine:
             cancels, self._cancels = self._cancels, set()
         if self.sync is not None:
             new, cancels = self.sync(new, cancels)
+            if self.sync.stopped:
+                return
         self.waiting.extend(new)
         if cancels:
             self._drop(cancels)
@@ -219,8 +257,8 @@ class Engine:
             p = r.params
             samp = {"seed": np.uint32(p.seed % 2**32), "step": np.int32(0), "temperature": np.float32(p.temperature),
                     "top_k": np.int32(p.top_k), "top_p": np.float32(p.top_p)}
-            self.cache, tok = self._prefill(self.params, self.cache, np.int32(r.slot), chunk, np.int32(start),
-                                            np.int32(len(r.prompt)), samp)
+            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
+                np.int32(r.slot), chunk, np.int32(start), np.int32(len(r.prompt)), samp))
             r.done_prompt += n
             budget -= n
             if r.done_prompt == len(r.prompt):
@@ -238,7 +276,7 @@ class Engine:
         if not live.any():
             return
         self.samp["step"] = np.array([len(r.out) if r is not None else 0 for r in self.slots], np.int32)
-        self.cache, toks = self._decode(self.params, self.cache, self.tokens, self.pos, live, self.samp)
+        self.cache, toks = self._decode(self.params, self.cache, *self._put(self.tokens, self.pos, live, self.samp))
         toks = _host(toks)
         for b in np.flatnonzero(live):
             self.pos[b] += 1

@@ -122,11 +122,6 @@ def run(args) -> int:
     detok = (lambda ids: tok.decode([i for i in ids if i < tok.vocab_size])) if tok else None
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     decode=detok, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh, max_queue=args.max_queue, sync=sync)
-    if mesh is not None:
-        from k2jax.sharding import use_mesh
-
-        ctx = use_mesh(mesh)
-        ctx.__enter__()  # for the process's lifetime: the engine thread traces nothing after warm-up
     D.log0(f"k2jax serve: compiled the engine steps in {engine.warm_up():.1f} s ({args.max_batch} slots x "
            f"{args.max_len} tokens, prefill chunks of up to {engine.prefill_chunk}, cache {args.kv_cache_dtype})")
     if not D.is_main():
