@@ -14,6 +14,7 @@ import json
 from k2jax.serving.engine import Request, SamplingParams
 
 KEEP_STEPS = 64  # keys older than this are deleted by process 0
+STOP_TIMEOUT_MS = 60_000
 POLL_MS = 10_000  # a follower waits this long per try for process 0's next step (idle servers wait forever)
 
 
@@ -44,6 +45,7 @@ class StepSync:
         msg = json.loads(self._get(key))
         if msg.get("stop"):
             self.stopped = True
+            self.client.wait_at_barrier("k2jax/serve/stop", STOP_TIMEOUT_MS)
             return [], set()
         reqs = [Request(prompt, SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}),
                         _ignore, id=rid) for rid, prompt, p in msg["new"]]
@@ -62,6 +64,8 @@ class StepSync:
         """Process 0: tell the followers to stop (their next step reads this)."""
         if self.rank == 0:
             self.client.key_value_set(self._key(self.step), json.dumps({"stop": True}))
+            # process 0 holds the coordination service: it must not exit before the others have read this
+            self.client.wait_at_barrier("k2jax/serve/stop", STOP_TIMEOUT_MS)
 
 
 def _ignore(_event) -> None:

@@ -126,6 +126,7 @@ def run(args) -> int:
            f"{args.max_len} tokens, prefill chunks of up to {engine.prefill_chunk}, cache {args.kv_cache_dtype})")
     if not D.is_main():
         engine.run_follower()
+        jax.distributed.shutdown()  # together with process 0, which holds the coordination service
         return 0
     thread = threading.Thread(target=engine.run, name="k2jax-engine", daemon=True)
     thread.start()
@@ -139,5 +140,7 @@ def run(args) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     finally:
         engine.stop()
-        thread.join(timeout=30)
+        thread.join(timeout=90)
+        if multi:
+            jax.distributed.shutdown()
     return 0
