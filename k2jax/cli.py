@@ -99,6 +99,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from k2jax.serving.server import run
+
+    return run(args)
+
+
 def jax_dtype(params):
     """The compute dtype of a param tree: that of the embedding."""
     return params["embed_tokens"].dtype
@@ -178,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run_convert)
+    from k2jax.serving.server import add_arguments as serve_arguments
+
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server with continuous batching over the latent cache",
+        description="Serve a checkpoint over HTTP: /v1/completions and /v1/chat/completions (OpenAI-compatible, "
+                    "streaming as server-sent events), /v1/models, /health, /metrics (Prometheus). Requests join "
+                    "and leave --max-batch decode slots between engine steps; prompts are prefilled in chunks of "
+                    "up to --prefill-chunk tokens so running decodes keep going. Everything is compiled at start-"
+                    "up. Try it without a download: k2jax serve --demo")
+    serve_arguments(p)
+    p.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,349 @@
+"""Continuous batching: requests join and leave a fixed set of decode slots between engine steps.
+
+One engine step = prefill chunks (at most `prefill_chunk` prompt tokens in all, so a long prompt never
+stalls the running decodes) + one decode token for every live slot. Everything on the device has static
+shapes (k2jax.serving.device): nothing compiles after `warm_up`, however requests come and go.
+
+The engine is driven by one thread (`run`); other threads call `submit` and `cancel`, which only touch a
+lock-protected inbox. Each request reports through its `on_event(Event)` callback, called on the engine
+thread: keep it short (the HTTP layer hands the event to its event loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from k2jax.serving import device as dev
+from k2jax.serving.metrics import Metrics
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit: try again later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request settings. temperature 0 = greedy; top_k 0 = all; stop_ids end the output (not included in
+    the text); stop strings are matched on the detokenized text and cut from it."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request gets after each of its engine steps: new text and token ids; finish_reason set on the
+    last one ("stop" | "length" | "cancelled" | "error")."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None]
+    id: int = dataclasses.field(default_factory=lambda: next(_IDS))
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    # engine-side state
+    slot: int = -1
+    done_prompt: int = 0  # prompt tokens prefilled so far
+    out: list[int] = dataclasses.field(default_factory=list)  # generated ids (stop id included)
+    text_ids: list[int] = dataclasses.field(default_factory=list)  # those that make the text
+    sent: int = 0  # characters of the text already reported
+    finished: bool = False
+
+
+_IDS = itertools.count()
+
+
+class Engine:
+    """max_batch slots over one [max_batch, max_len] latent cache. `decode(ids) -> str` detokenizes (for
+    stop strings and streamed text); `mesh` splits the slots over 'data' (params already placed on it)."""
+
+    def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
+                 decode: Callable[[Sequence[int]], str] = lambda ids: "", kv_cache_dtype: str = "auto",
+                 mesh=None, max_queue: int = 256, metrics: Metrics | None = None, sync=None):
+        if max_batch < 1 or max_len < 2 or prefill_chunk < 1:
+            raise ValueError(f"need max_batch >= 1, max_len >= 2 and prefill_chunk >= 1, got {max_batch}, "
+                             f"{max_len}, {prefill_chunk}")
+        self.model, self.params, self.mesh = model, params, mesh
+        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.prefill_chunk = min(prefill_chunk, max_len)
+        self.detok = decode
+        self.metrics = metrics or Metrics(max_batch)
+        self.sync = sync  # multi-host: agrees on each step's admissions and cancellations (k2jax.serving.multihost)
+        dt = params["embed_tokens"].dtype
+        self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self.cache = dev.slot_cache(model.cfg, max_batch, max_len, dt, kv_cache_dtype, mesh)
+        prefill, decode_step = dev.make_steps(model, max_len)
+        # The cache comes back laid out as it went in: one executable per step kind, however often it runs.
+        out = None if mesh is None else (jax.tree.map(lambda x: x.sharding, self.cache), self._rep)
+        self._prefill = jax.jit(prefill, donate_argnums=(1,), out_shardings=out)
+        self._decode = jax.jit(decode_step, donate_argnums=(1,), out_shardings=out)
+        self.slots: list[Request | None] = [None] * max_batch
+        self.tokens = np.zeros(max_batch, np.int32)  # each live slot's next input token
+        self.pos = np.zeros(max_batch, np.int32)  # and its position
+        self.samp = dev.samp_arrays(max_batch)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: collections.deque[Request] = collections.deque()
+        self._inbox: list[Request] = []
+        self._cancels: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+
+    # --- other threads -----------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the field) for a request that can never run."""
+        vocab = self.model.cfg.vocab_size
+        if len(prompt) == 0:
+            raise ValueError("prompt: empty; give at least one token")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {params.max_tokens}")
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the server's max_len of {self.max_len} tokens")
+
+    def submit(self, req: Request) -> None:
+        """Queue a request (checked first). Raises ValueError for a bad one, QueueFull when the queue is full."""
+        self.check(req.prompt, req.params)
+        with self._lock:
+            if len(self._inbox) + len(self.waiting) >= self.max_queue:
+                self.metrics.rejected += 1
+                raise QueueFull(f"{self.max_queue} requests already waiting")
+            self._inbox.append(req)
+            self.metrics.requests += 1
+            self._wake.notify()
+
+    def cancel(self, req: Request) -> None:
+        """Drop a request (client gone): its slot is freed at the next step."""
+        with self._lock:
+            self._cancels.add(req.id)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify()
+
+    def queue_depth(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    # --- the engine thread ------------------------------------------------------------------------
+    def _context(self):
+        """The mesh context the steps are traced under. Thread-local: entered on the thread that steps, or
+        the engine thread would trace (and compile) other programs than warm_up did."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from k2jax.sharding import use_mesh
+
+        return use_mesh(self.mesh)
+
+    def warm_up(self) -> float:
+        """Compile every step (each prefill chunk size and the decode step) on dummy inputs; -> seconds."""
+        with self._context():
+            return self._warm_up()
+
+    def _warm_up(self) -> float:
+        t0 = time.perf_counter()
+        samp1 = {k: v[0] for k, v in dev.samp_arrays(1).items()}
+        for c in dev.chunk_sizes(self.prefill_chunk):
+            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
+                np.int32(0), np.zeros(c, np.int32), np.int32(0), np.int32(1), samp1))
+        self.cache, toks = self._decode(self.params, self.cache, *self._put(
+            self.tokens, self.pos, np.zeros(self.max_batch, bool), self.samp))
+        jax.block_until_ready((tok, toks))
+        return time.perf_counter() - t0
+
+    def _put(self, *host):
+        """Host inputs of a step, replicated over the mesh (under jax.distributed every process passes the
+        same values)."""
+        if self._rep is None:
+            return host
+        return jax.device_put(host, self._rep)
+
+    def run_follower(self) -> None:
+        """A process other than 0 under jax.distributed: step whenever process 0 does, until it stops."""
+        with self._context():
+            while not self.sync.stopped:
+                self.step()
+
+    def run(self) -> None:
+        """Step until stop(); sleeps while there is nothing to do."""
+        with self._context():
+            self._run()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._busy():
+                    self._wake.wait(0.5)
+                if self._stop:
+                    if self.sync is not None:
+                        self.sync.close()
+                    return
+            self.step()
+
+    def _busy(self) -> bool:
+        return bool(self._inbox or self._cancels or self.waiting or self.prefilling or any(self.slots))
+
+    def step(self) -> None:
+        """One engine step: take in new requests and cancellations, prefill, decode."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        if self.sync is not None:
+            new, cancels = self.sync(new, cancels)
+            if self.sync.stopped:
+                return
+        self.waiting.extend(new)
+        if cancels:
+            self._drop(cancels)
+        self._admit()
+        t0 = time.perf_counter()
+        self._prefill_some()
+        self._decode_live()
+        self.metrics.observe_step(time.perf_counter() - t0)
+        self.metrics.queue_depth = self.queue_depth()
+        self.metrics.slots_in_use = sum(r is not None for r in self.slots)
+
+    def _drop(self, ids: set[int]) -> None:
+        for r in [r for r in self.waiting if r.id in ids]:
+            self.waiting.remove(r)
+            self._finish(r, "cancelled")
+        for r in [r for r in self.slots if r is not None and r.id in ids]:
+            self._finish(r, "cancelled")
+
+    def _admit(self) -> None:
+        for b in range(self.max_batch):
+            if self.slots[b] is None and self.waiting:
+                r = self.waiting.popleft()
+                r.slot = b
+                self.slots[b] = r
+                self.prefilling.append(r)
+
+    def _prefill_some(self) -> None:
+        budget = self.prefill_chunk
+        while budget > 0 and self.prefilling:
+            r = self.prefilling[0]
+            n = min(len(r.prompt) - r.done_prompt, budget)
+            c = next(c for c in dev.chunk_sizes(self.prefill_chunk) if c >= n)
+            start = min(r.done_prompt, self.max_len + 1 - c)  # a padded chunk must not run off the cache
+            chunk = np.zeros(c, np.int32)
+            part = r.prompt[start:start + c]
+            chunk[:len(part)] = part
+            p = r.params
+            samp = {"seed": np.uint32(p.seed % 2**32), "step": np.int32(0), "temperature": np.float32(p.temperature),
+                    "top_k": np.int32(p.top_k), "top_p": np.float32(p.top_p)}
+            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
+                np.int32(r.slot), chunk, np.int32(start), np.int32(len(r.prompt)), samp))
+            r.done_prompt += n
+            budget -= n
+            if r.done_prompt == len(r.prompt):
+                self.prefilling.popleft()
+                b = r.slot
+                self.samp["seed"][b], self.samp["temperature"][b] = samp["seed"], samp["temperature"]
+                self.samp["top_k"][b], self.samp["top_p"][b] = samp["top_k"], samp["top_p"]
+                self.pos[b] = len(r.prompt)
+                self.metrics.prompt_tokens += len(r.prompt)
+                self.metrics.observe_ttft(time.perf_counter() - r.arrived)
+                self._emit_token(r, int(_host(tok)))
+
+    def _decode_live(self) -> None:
+        live = np.array([r is not None and r.done_prompt == len(r.prompt) and not r.finished for r in self.slots])
+        if not live.any():
+            return
+        self.samp["step"] = np.array([len(r.out) if r is not None else 0 for r in self.slots], np.int32)
+        self.cache, toks = self._decode(self.params, self.cache, *self._put(self.tokens, self.pos, live, self.samp))
+        toks = _host(toks)
+        for b in np.flatnonzero(live):
+            self.pos[b] += 1
+            self._emit_token(self.slots[b], int(toks[b]))
+
+    def _emit_token(self, r: Request, tok: int) -> None:
+        """Record a new token of `r`: report the text that is final, finish on a stop or the limit."""
+        r.out.append(tok)
+        self.tokens[r.slot] = tok
+        self.metrics.generation_tokens += 1
+        p = r.params
+        reason = None
+        if tok in p.stop_ids:
+            reason = "stop"
+        else:
+            r.text_ids.append(tok)
+        text = self.detok(r.text_ids) if self.detok else ""
+        if p.stop:
+            hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop) if i >= 0]
+            if hits:
+                text, reason = text[:min(hits)], "stop"
+        if reason is None and len(r.out) >= p.max_tokens:
+            reason = "length"
+        if reason is None:
+            safe = len(text.rstrip("\ufffd"))  # a multi-byte character not yet complete
+            for s in p.stop:  # hold back what may be the start of a stop string
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:k]):
+                        safe -= k
+                        break
+            delta, r.sent = text[r.sent:max(safe, r.sent)], max(safe, r.sent)
+            r.on_event(Event(delta, [tok], None, len(r.prompt), len(r.out)))
+            return
+        r.finished = True
+        r.on_event(Event(text[r.sent:], [tok], reason, len(r.prompt), len(r.out)))
+        self._free(r)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if not r.finished:
+            r.finished = True
+            r.on_event(Event("", [], reason, len(r.prompt), len(r.out)))
+        self._free(r)
+
+    def _free(self, r: Request) -> None:
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        if 0 <= r.slot < self.max_batch and self.slots[r.slot] is r:
+            self.slots[r.slot] = None
+            self.pos[r.slot] = 0
+            self.tokens[r.slot] = 0
+            self.samp["temperature"][r.slot] = 0
+        self.metrics.finished += 1
+
+
+def _host(x) -> np.ndarray:
+    """The whole of x on this host (gathered when split over processes)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def generate_one(engine: Engine, prompt: Sequence[int], params: SamplingParams) -> tuple[list[int], str, str]:
+    """Run one request through an engine on this thread (no server): -> (token ids, text, finish_reason)."""
+    events: list[Event] = []
+    engine.submit(Request(list(prompt), params, events.append))
+    while not (events and events[-1].finish_reason):
+        engine.step()
+    return [t for e in events for t in e.token_ids], "".join(e.text for e in events), events[-1].finish_reason

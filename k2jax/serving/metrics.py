@@ -1,0 +1,69 @@
+"""Server metrics in the Prometheus text format (no client library: a few counters, gauges, histograms)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, buckets=_BUCKETS_S):
+        self.buckets, self.counts, self.sum, self.n = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, x: float) -> None:
+        i = bisect.bisect_left(self.buckets, x)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.sum += x
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, acc = [], 0
+        for b, c in zip(self.buckets, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.sum:.6f}", f"{name}_count {self.n}"]
+
+
+class Metrics:
+    """Written by the engine thread, read by the HTTP thread (plain ints and floats: a torn read is harmless)."""
+
+    def __init__(self, max_batch: int):
+        self.max_batch = max_batch
+        self.requests = self.finished = self.rejected = self.errors = 0
+        self.prompt_tokens = self.generation_tokens = 0
+        self.queue_depth = self.slots_in_use = 0
+        self.ttft, self.step_time = Histogram(), Histogram()
+        self._lock = threading.Lock()
+
+    def observe_ttft(self, s: float) -> None:
+        self.ttft.observe(s)
+
+    def observe_step(self, s: float) -> None:
+        self.step_time.observe(s)
+
+    def render(self) -> str:
+        """The /metrics page."""
+        from k2jax.serving.compiles import count as compiles
+
+        rows = [
+            ("k2jax_requests_total", "counter", "requests accepted", self.requests),
+            ("k2jax_requests_finished_total", "counter", "requests finished (any reason)", self.finished),
+            ("k2jax_requests_rejected_total", "counter", "requests refused with 429 (queue full)", self.rejected),
+            ("k2jax_request_errors_total", "counter", "requests answered with a 4xx", self.errors),
+            ("k2jax_prompt_tokens_total", "counter", "prompt tokens prefilled", self.prompt_tokens),
+            ("k2jax_generation_tokens_total", "counter", "tokens generated", self.generation_tokens),
+            ("k2jax_queue_depth", "gauge", "requests waiting for a slot", self.queue_depth),
+            ("k2jax_slots_in_use", "gauge", "decode slots holding a request", self.slots_in_use),
+            ("k2jax_slots_total", "gauge", "decode slots", self.max_batch),
+            ("k2jax_compilations_total", "counter", "XLA compilations in this process", compiles()),
+        ]
+        out = []
+        for name, kind, help_, v in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
+        for name, h, help_ in (("k2jax_time_to_first_token_seconds", self.ttft, "arrival to first token"),
+                               ("k2jax_step_seconds", self.step_time, "one engine step (prefill + decode)")):
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
+        return "\n".join(out) + "\n"

@@ -1,0 +1,122 @@
+"""Shared by the serving tests: a small FP8 checkpoint and tokenizer written by the test, `k2jax serve` on it
+as a subprocess on a free loopback port, and the solo reference (k2jax.generate) on the same weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from tests.conftest import CONFIGS, REPO
+
+TINY = json.loads((CONFIGS / "tiny.json").read_text())
+CFG = TINY | {"vocab_size": 1024}  # room for the demo tokenizer's 1012 ids
+MERGES = 500
+START_TIMEOUT_S = 180
+NMAX = 32  # the most tokens a test asks for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(root):
+    """-> (checkpoint dir, tokenizer dir) under root."""
+    from k2jax.testing import write_release_checkpoint
+    from k2jax.tokenizer import write_test_tokenizer
+
+    ckpt = write_release_checkpoint(CFG, root / "ckpt", seed=0, fast=True)
+    tok = write_test_tokenizer(root / "tok", num_merges=MERGES)
+    return ckpt, tok
+
+
+def env(devices: int = 1) -> dict:
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return e | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+                "PYTHONPATH": str(REPO)}
+
+
+def serve_argv(ckpt, tok, port, *extra) -> list[str]:
+    return [sys.executable, "-m", "k2jax.cli", "serve", "--hf-checkpoint", str(ckpt), "--tokenizer", str(tok),
+            "--dtype", "float32", "--port", str(port), "--model-name", "tiny", *extra]
+
+
+def wait_ready(port: int, procs, timeout: float = START_TIMEOUT_S) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"server exited with {p.returncode}:\n{p.stdout.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"server not up after {timeout} s")
+
+
+@contextlib.contextmanager
+def running(argvs, port, devices=1):
+    """Start the processes (one argv each), wait for /health on `port`; kill them all on exit."""
+    procs = [subprocess.Popen(a, env=env(devices), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for a in argvs]
+    try:
+        wait_ready(port, procs)
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise KeyError(name)
+
+
+class Solo:
+    """Each prompt alone through k2jax.generate on the checkpoint (greedy, float32), cached."""
+
+    def __init__(self, ckpt):
+        import jax.numpy as jnp
+
+        import k2jax
+
+        self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32)
+        self.model = k2jax.K2Model(self.cfg, jnp.float32)
+        self.params = k2jax.split_experts(params)
+        self._memo = {}
+
+    def __call__(self, prompt, n, stop_ids=()) -> list[int]:
+        """The first n greedy tokens, cut after the first of stop_ids. Greedy continuations are prefixes of
+        each other, so one generate of NMAX tokens per prompt serves every n (and compiles once per bucket)."""
+        import k2jax
+
+        if n > NMAX:
+            raise ValueError(f"n={n} > NMAX={NMAX}")
+        key = tuple(prompt)
+        if key not in self._memo:
+            out, _ = k2jax.generate(self.model, self.params, [list(prompt)], NMAX)
+            self._memo[key] = [int(t) for t in out[0]]
+        toks = self._memo[key][:n]
+        for i, t in enumerate(toks):
+            if t in stop_ids:
+                return toks[:i + 1]
+        return toks

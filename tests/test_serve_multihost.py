@@ -1,0 +1,66 @@
+"""`k2jax serve` over two CPU processes (jax.distributed on 127.0.0.1, 4 simulated devices each, slots split
+over 'data' and experts over 'expert' across both): process 0 answers real HTTP requests with the tokens
+one process gives, process 1 serves nothing itself and stops when process 0 does."""
+
+import asyncio
+import random
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import openai
+
+import k2jax
+from k2jax.checkpoint.convert import main as convert_main
+from tests.serve_util import free_port, running, serve_argv, write_model
+
+PROMPTS = [[5, 6, 7], list(range(20, 51)), [42], [random.Random(k).randrange(2, 1000) for k in range(17)]]
+NEW = [6, 3, 9, 5]
+
+
+def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
+    ckpt, tok = write_model(tmp_path)
+    conv = tmp_path / "conv"
+    assert convert_main([str(ckpt), str(conv), "--quiet"]) == 0
+    cfg, params = k2jax.load(conv, dtype=jnp.float32)
+    model = k2jax.K2Model(cfg, jnp.float32)
+    want = [k2jax.generate(model, params, [p], n)[0][0].tolist() for p, n in zip(PROMPTS, NEW)]
+
+    port, coord = free_port(), free_port()
+    argvs = [serve_argv(ckpt, tok, port, "--max-batch", "4", "--max-len", "64", "--prefill-chunk", "16",
+                        "--mesh", "data=2,expert=4", "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
+                        "--process-id", str(rank)) for rank in range(2)]
+    for a in argvs:  # the converted checkpoint: --mesh shards it
+        i = a.index("--hf-checkpoint")
+        a[i:i + 2] = ["--checkpoint", str(conv)]
+    with running(argvs, port, devices=4) as procs:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as c:
+                rs = await asyncio.gather(*(c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0,
+                                                                 extra_body={"ignore_eos": True})
+                                            for p, n in zip(PROMPTS, NEW)))
+                return [r.choices[0].token_ids for r in rs]
+
+        got = asyncio.run(main())
+        assert got == want
+        assert asyncio.run(main()) == want  # and again, with the slots reused
+        procs[0].terminate()
+        procs[0].wait(timeout=30)
+        try:
+            rc = procs[1].wait(timeout=60)  # process 0's stop reaches it through the key-value store
+        except subprocess.TimeoutExpired:
+            raise AssertionError("process 1 did not stop after process 0") from None
+        out1 = procs[1].stdout.read()
+        # It stops, but not yet cleanly: jax.distributed's shutdown aborts it (rc -6) once process 0, which
+        # holds the coordination service, is gone. Checked here so that a hang would fail.
+        assert rc in (0, -6), out1[-3000:]
+        assert "http://" not in out1, "only process 0 runs HTTP"
+
+
+def test_serve_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "k2jax.cli", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--checkpoint", "--hf-checkpoint", "--demo", "--tokenizer", "--host", "--port", "--max-batch",
+                 "--max-len", "--prefill-chunk", "--mesh", "--dtype", "--quant", "--kv-cache-dtype", "--distributed",
+                 "--coordinator", "--num-processes", "--process-id"):
+        assert flag in out, flag
