@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k2jax.nn.moe import _ragged_swiglu, grouped_moe
+from k2jax.sharding import logical_to_spec
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -55,10 +56,13 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
         raise ValueError(f"expert-parallel mode must be one of {EP_MODES}, got {mode!r}")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     T, K = idx_TK.shape
-    E = gate_EDF.shape[0]
-    n = mesh.shape.get("expert", 1)
-    if E % n:
-        raise ValueError(f"{E} routed experts do not divide over the mesh's expert axis ({n})")
+    # Where the weights live, by the params' own rule (k2jax.sharding): experts the expert axis does not
+    # divide (6 on expert=4) are replicated, and then every device runs all experts for its own tokens (no
+    # exchange); an expert hidden dim that `tensor` does not divide is whole on every tensor rank (no psum).
+    e_spec = logical_to_spec(("experts", None, "expert_mlp"), gate_EDF.shape, dict(mesh.shape))
+    e_ax = "expert" if e_spec[0] == "expert" and "expert" in mesh.shape else None
+    f_ax = "tensor" if e_spec[2] == "tensor" and "tensor" in mesh.shape else None
+    n = mesh.shape["expert"] if e_ax else 1
     tok_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
     groups = math.prod(mesh.shape[a] for a in tok_axes)
     pad = -T % groups  # padding tokens are zeros routed with weight 0, dropped at the end
@@ -71,8 +75,6 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     x_TD, weight_TK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_TD, weight_TK))
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
     t_ax = tok_axes if tok_axes else None
-    e_ax = "expert" if "expert" in mesh.shape else None
-    f_ax = "tensor" if "tensor" in mesh.shape else None
 
     def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
         # Under grad, an input replicated over a mesh axis (the experts over data, the tokens over tensor) has
