@@ -35,10 +35,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k2jax.nn.moe import _ragged_swiglu, grouped_moe
-from k2jax.sharding import logical_to_spec
+from k2jax.sharding import dividing_axes, logical_to_spec
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -97,7 +97,11 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
                        in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None),
                                  P(e_ax, None, f_ax), P(e_ax, None, f_ax), P(e_ax, f_ax, None)),
                        out_specs=P(t_ax, None))
-    return fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+    y_TD = fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+    # The real tokens, split as far as T divides (k2jax.sharding's fallback). Left to the compiler, the slice's
+    # sharding can be one jax 0.7-0.8 cannot name on the mesh (a ValueError when the jit's output is recovered).
+    t_out = dividing_axes(tok_axes, T, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(y_TD, NamedSharding(mesh, P(t_out or None, None)))
 
 
 def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile):
