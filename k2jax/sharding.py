@@ -164,43 +164,49 @@ def param_specs(cfg: K2Config, mesh_shape: dict[str, int] | None = None):
     the rules' intent."""
     from k2jax.nn.model import abstract_params, param_axes
 
-    axes = param_axes(cfg)
     if mesh_shape is None:
-        return jax.tree_util.tree_map(logical_to_spec, axes, is_leaf=_is_spec)
-    return jax.tree_util.tree_map(lambda n, a: logical_to_spec(tuple(n), a.shape, mesh_shape), axes,
-                                  abstract_params(cfg), is_leaf=_is_spec)
+        return jax.tree_util.tree_map(logical_to_spec, param_axes(cfg), is_leaf=_is_spec)
+    return _placed_specs(param_axes(cfg), abstract_params(cfg), mesh_shape)
 
 
 def fallbacks(cfg: K2Config, mesh_shape: dict[str, int], dtype=None) -> list[Fallback]:
-    """The params of `cfg` that fall back on a mesh of `mesh_shape` (dtype: of the bytes; default float32)."""
-    import jax.numpy as jnp
+    """The params of `cfg` that fall back on a mesh of `mesh_shape` (their bytes in `dtype`, default each
+    param's own: float32)."""
+    from k2jax.nn.model import abstract_params, param_axes
 
-    from k2jax.nn.model import abstract_params
-
-    mesh_shape = dict(mesh_shape)
-    wanted, got = param_specs(cfg), param_specs(cfg, mesh_shape)
-    shapes = abstract_params(cfg, jnp.float32 if dtype is None else dtype)
-    out = []
-    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(wanted, is_leaf=_is_spec),
-                            jax.tree_util.tree_leaves(got, is_leaf=_is_spec)):
-        a = _get(shapes, path)
-        if _effective(w, a.ndim, mesh_shape) != _effective(g, a.ndim, mesh_shape):
-            name = ".".join(str(k.key) for k in path)
-            out.append(Fallback(name, tuple(a.shape), w, g, a.size * a.dtype.itemsize, mesh_shape))
-    return out
+    return _fallbacks(param_axes(cfg), abstract_params(cfg, *(() if dtype is None else (dtype,))), dict(mesh_shape))
 
 
 def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh):
     """NamedSharding pytree of the params of `cfg` on `mesh` (no params are built: serves the 1T config).
 
     Every config fits every mesh: a dim the mesh does not divide falls back (see `dividing_axes`), with one
-    warning per such param naming it and its cost.
+    warning per such param naming it and its cost (in float32; `k2jax plan` gives it in any dtype).
     """
+    from k2jax.nn.model import abstract_params, param_axes
+
     mesh_shape = dict(mesh.shape)
-    for f in fallbacks(cfg, mesh_shape):
+    axes, shapes = param_axes(cfg), abstract_params(cfg)
+    for f in _fallbacks(axes, shapes, mesh_shape):
         warnings.warn(f"k2jax.sharding: {f.describe()}", stacklevel=2)
-    specs = param_specs(cfg, mesh_shape)
+    specs = _placed_specs(axes, shapes, mesh_shape)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def _placed_specs(axes, shapes, mesh_shape):
+    return jax.tree_util.tree_map(lambda n, a: logical_to_spec(tuple(n), a.shape, mesh_shape), axes, shapes,
+                                  is_leaf=_is_spec)
+
+
+def _fallbacks(axes, shapes, mesh_shape) -> list[Fallback]:
+    out = []
+    for (path, names), a in zip(jax.tree_util.tree_leaves_with_path(axes, is_leaf=_is_spec),
+                                jax.tree_util.tree_leaves(shapes)):
+        wanted, got = logical_to_spec(tuple(names)), logical_to_spec(tuple(names), a.shape, mesh_shape)
+        if _effective(wanted, a.ndim, mesh_shape) != _effective(got, a.ndim, mesh_shape):
+            name = ".".join(str(k.key) for k in path)
+            out.append(Fallback(name, tuple(a.shape), wanted, got, a.size * a.dtype.itemsize, mesh_shape))
+    return out
 
 
 def shard_count(entry, mesh_shape: dict[str, int]) -> int:
@@ -251,9 +257,3 @@ def _effective(spec, ndim, mesh_shape):
 def _axes_str(entry, mesh_shape) -> str:
     axes = (entry,) if isinstance(entry, str) else entry or ()
     return ",".join(f"{a}={mesh_shape.get(a, 1)}" for a in axes)
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k.key]
-    return tree
