@@ -4,6 +4,10 @@ Letters: T tokens (global), t tokens on one device, D model, K top-k, E experts,
 F expert hidden (f on one device, `tensor`-sharded), n devices on the `expert` axis, c rows per destination
 per round, R received rows, M (row, expert) slots.
 
+Experts the `expert` axis does not divide (6 on expert=4) are replicated, by the params' own fallback
+(k2jax.sharding): then nothing is exchanged and every device runs all experts on its own tokens; likewise an
+expert hidden dim that `tensor` does not divide is whole on every rank, with no psum over `tensor`.
+
 Tokens are split over (data, fsdp, expert); every `tensor` rank of a group holds the same tokens and computes
 its slice f of each expert's hidden dim, so the partial down projections are summed over `tensor` at the end.
 Two exchanges, both dropless and exact (they equal k2jax.nn.moe.moe_grouped up to float summation order):

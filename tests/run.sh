@@ -66,9 +66,9 @@ if [[ ${K2JAX_FLOOR:-$([[ $# == 0 ]] && echo 1 || echo 0)} == 1 ]]; then
     "$floor_env/bin/pip" install -q $floors numpy ml_dtypes tqdm pytest
     touch "$floor_env/.complete"
   fi
-  # A few minutes on 2 cores: the model, parity against transformers, the converter, the expert-parallel MoE
-  # and the fallback sharding.
-  floor_tests="test_versions or test_scan_equals_blocks or test_blocked_forward or (test_parity and
+  # A few minutes on 2 cores: the tokenizer, the model, parity against transformers, the converter, the
+  # expert-parallel MoE (forward and gradients) and the fallback sharding.
+  floor_tests="test_versions or test_tokenizer or test_scan_equals_blocks or test_blocked_forward or (test_parity and
     (test_logits or test_attention)) or test_equals_load_hf_bit_exact or test_plain_orbax or
     test_exchanges_equal_dense or (test_exchange_gradients_equal_dense and gather and data) or
     test_the_fallback_rule or ((test_sharded_logits_equal_one_device_on_any_mesh or
@@ -76,7 +76,7 @@ if [[ ${K2JAX_FLOOR:-$([[ $# == 0 ]] && echo 1 || echo 0)} == 1 ]]; then
   echo "== floor versions: $(echo $floors)"
   set +e
   PYTHONPATH=$PWD "$floor_env/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_versions.py tests/test_model.py tests/test_parity.py tests/test_convert.py \
+    tests/test_versions.py tests/test_tokenizer.py tests/test_model.py tests/test_parity.py tests/test_convert.py \
     tests/test_sharding.py tests/test_sharding_any.py -m "not slow" -k "$(echo $floor_tests)"
   frc=$?
   set -e
