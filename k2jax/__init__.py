@@ -1,13 +1,18 @@
 """k2jax: Kimi K2 (DeepSeek-V3 architecture) in JAX/Flax."""
 
-from k2jax.checkpoint import load_hf
-from k2jax.checkpoint.orbax_io import load
-from k2jax.config import K2Config
-from k2jax.inference.generate import generate
-from k2jax.nn.model import K2Model, abstract_params, init_params, param_axes, split_experts, stack_experts
-from k2jax.nn.quantized import dequantize_params, quantize_params
-from k2jax.sharding import make_mesh, param_shardings, use_mesh
-from k2jax.train import default_optimizer, loss_and_metrics, make_train_step
+from k2jax import _versions
+
+_versions.check()  # before jax is imported: a too-old jax fails here with the versions named
+
+from k2jax.checkpoint import load_hf  # noqa: E402
+from k2jax.checkpoint.orbax_io import load  # noqa: E402
+from k2jax.config import K2Config  # noqa: E402
+from k2jax.inference.generate import generate  # noqa: E402
+from k2jax.nn.model import (K2Model, abstract_params, init_params, param_axes, split_experts,  # noqa: E402
+                            stack_experts)
+from k2jax.nn.quantized import dequantize_params, quantize_params  # noqa: E402
+from k2jax.sharding import make_mesh, param_shardings, use_mesh  # noqa: E402
+from k2jax.train import default_optimizer, loss_and_metrics, make_train_step  # noqa: E402
 
 __version__ = "0.1.0"
 

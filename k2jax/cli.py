@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Per-device bytes of the params (and the latent KV cache with --batch and "
                                    "--max-len) sharded by k2jax's rules table on a mesh, from the abstract param "
                                    "tree (nothing allocated, no devices needed), and whether that fits TPU "
-                                   "v5e/v6e/v5p, H100 and H200 memory with a reserve kept free.")
+                                   "v5e/v6e/v5p, H100 and H200 memory with a reserve kept free. Params with a "
+                                   "dim the mesh does not divide fall back (replicated over the axes that do "
+                                   "not divide it) and are listed with their extra bytes per device.")
     p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
     p.add_argument("--mesh", required=True,
                    help="mesh axis sizes, e.g. expert=64,tensor=4 (axes data, fsdp, expert, tensor; absent = 1)")

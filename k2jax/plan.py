@@ -1,8 +1,10 @@
 """Memory planning without hardware: bytes per device of the sharded params (and KV cache) on a mesh.
 
 Everything comes from the abstract param tree and the rules table in k2jax.sharding; nothing is allocated,
-so it serves the full 1T config on a laptop. Sharding is even (param_shardings refuses dimensions the mesh
-does not divide), so every device holds the same bytes of each tensor: total / (number of distinct shards).
+so it serves the full 1T config on a laptop. Each dim is split only over mesh axes that divide it (a dim
+they do not divide falls back, see k2jax.sharding.dividing_axes), so every device holds the same bytes of
+each tensor: total / (number of distinct shards). The plan lists the params that fall back and what that
+costs each device beyond an even split over the axes their rules name.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from k2jax.checkpoint.quantized import quantized_leaves, quantized_shapes
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
-from k2jax.sharding import check_divisible, parse_mesh_spec, param_specs, shard_count
+from k2jax.sharding import Fallback, format_bytes, parse_mesh_spec, param_specs, shard_count
 
 GiB, GB = 2**30, 10**9
 # Memory per chip / GPU (vendor figures; GiB for TPUs, decimal GB for NVIDIA).
@@ -32,12 +34,14 @@ QUANT = {"float8": "fp8", "int4": "int4"}
 
 @dataclasses.dataclass
 class Plan:
-    """rows: (component, bytes on each device, bytes of one full copy); devices: how many."""
+    """rows: (component, bytes on each device, bytes of one full copy); devices: how many; fallbacks: the
+    params whose dims the mesh does not divide (bytes in the plan's dtype)."""
 
     mesh: dict[str, int]
     dtype: str
     rows: list[tuple[str, float, float]]
     devices: int
+    fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
 
     @property
     def per_device(self) -> float:
@@ -101,11 +105,12 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", bat
     quantized = quantized_leaves(cfg, quant)
     act_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
     shapes = abstract_params(cfg, act_dtype)
-    specs = param_specs(cfg)
-    check_divisible(specs, shapes, shape)
+    wanted, specs = param_specs(cfg), param_specs(cfg, shape)
     per_dev: dict[str, float] = {}
     full: dict[str, float] = {}
-    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
+    fell_back = []
+    for (path, spec), want in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)),
+                                  jax.tree_util.tree_leaves(wanted, is_leaf=lambda x: isinstance(x, P))):
         keys = [k.key for k in path]
         leaf = shapes
         for k in keys:
@@ -114,16 +119,21 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", bat
         name = _component(keys)
         per_dev[name] = per_dev.get(name, 0) + dev
         full[name] = full.get(name, 0) + nbytes
+        f = Fallback(".".join(keys), tuple(leaf.shape), want, spec, nbytes, shape)
+        if f.extra_bytes_per_device > 0:
+            fell_back.append(f)
     rows = [(name, per_dev[name], full[name]) for name in per_dev]
     if batch or max_len:
+        if batch <= 0 or max_len <= 0:
+            raise ValueError(f"KV cache: --batch ({batch}) and --max-len ({max_len}) must both be positive")
+        # As k2jax.generate holds it: the batch padded with filler rows to a multiple of data*fsdp.
         batch_shards = shape["data"] * shape["fsdp"]
-        if batch <= 0 or max_len <= 0 or batch % batch_shards:
-            raise ValueError(f"KV cache: --batch ({batch}) must be a positive multiple of data*fsdp "
-                             f"({batch_shards}) and --max-len ({max_len}) positive")
-        kv = (cfg.num_hidden_layers * batch * max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        rows_held = -(-batch // batch_shards) * batch_shards
+        kv = (cfg.num_hidden_layers * max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
               * jnp.dtype(act_dtype).itemsize)
-        rows.append((f"KV cache {batch}x{max_len}", kv / batch_shards, kv))
-    return Plan(shape, dtype, rows, math.prod(shape.values()))
+        padded = f", padded to {rows_held}" if rows_held != batch else ""
+        rows.append((f"KV cache {batch}x{max_len}{padded}", kv * rows_held / batch_shards, kv * batch))
+    return Plan(shape, dtype, rows, math.prod(shape.values()), fell_back)
 
 
 def format_plan(p: Plan, reserve: float = 0.1) -> str:
@@ -132,17 +142,22 @@ def format_plan(p: Plan, reserve: float = 0.1) -> str:
     mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items())
     width = max(len(r[0]) for r in p.rows)
     lines = [f"mesh {mesh} ({p.devices} devices), weights in {p.dtype}",
-             f"{'component':<{width}}  {'per device':>12}  {'one full copy':>14}"]
-    lines += [f"{name:<{width}}  {d / GiB:>8.2f} GiB  {f / GiB:>10.2f} GiB" for name, d, f in p.rows]
-    lines += [f"{'total':<{width}}  {p.per_device / GiB:>8.2f} GiB  {p.total / GiB:>10.2f} GiB",
-              "",
-              f"every device holds the same bytes; largest device: {p.per_device / GiB:.2f} GiB",
-              f"bytes over all devices: {p.per_device * p.devices / GiB:,.1f} GiB "
+             f"{'component':<{width}}  {'per device':>11}  {'one full copy':>13}"]
+    lines += [f"{name:<{width}}  {format_bytes(d):>11}  {format_bytes(f):>13}" for name, d, f in p.rows]
+    lines += [f"{'total':<{width}}  {format_bytes(p.per_device):>11}  {format_bytes(p.total):>13}", ""]
+    if p.fallbacks:
+        extra = sum(f.extra_bytes_per_device for f in p.fallbacks)
+        lines += [f"{len(p.fallbacks)} params fall back (the mesh does not divide a dim their rule shards):"]
+        lines += [f"  {f.describe().removeprefix('param ')}" for f in p.fallbacks]
+        lines += [f"fallback cost: +{format_bytes(extra)} per device vs an even split "
+                  f"({100 * extra / p.per_device:.3g}% of the per-device total)", ""]
+    lines += [f"every device holds the same bytes; largest device: {format_bytes(p.per_device)}",
+              f"bytes over all devices: {format_bytes(p.per_device * p.devices)} "
               f"= {p.replication:.3f} x one copy",
               "",
               f"fits (keeping {reserve:.0%} of each part free):"]
     for part, cap in PARTS:
         usable = cap * (1 - reserve)
         verdict = "yes" if p.per_device <= usable else "no "
-        lines.append(f"  {part:<8} {cap / GiB:6.1f} GiB  {verdict}  ({p.per_device / usable:.0%} of usable)")
+        lines.append(f"  {part:<8} {format_bytes(cap):>9}  {verdict}  ({p.per_device / usable:.0%} of usable)")
     return "\n".join(lines)

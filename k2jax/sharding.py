@@ -4,19 +4,27 @@ Mesh axes: `data` and `fsdp` split the batch; `fsdp` also splits the model dimen
 before use); `expert` splits the routed experts (the expert-parallel MoE in k2jax.ops.expert_parallel moves tokens
 to them); `tensor` splits attention heads, MLP hidden dims (dense, shared and each routed expert's) and the
 vocabulary. All axes are `Auto`: outside the MoE's shard_map the compiler places the collectives.
+
+Any config on any mesh: a dim that its rule's mesh axes do not divide falls back, per dim, to the subset of
+those axes with the largest product that divides it (batch 6 on data=4,fsdp=3 -> fsdp), else to replicated
+(vocab 97 on tensor=2). `logical_to_spec` is the one place this is decided; param shardings, `k2jax.load`'s
+reads, the plan, the KV cache, the train step, the activation constraints and the expert-parallel MoE all
+take their specs from it. A param that falls back is named once in a warning (`param_shardings`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import math
+import warnings
 
 import flax.linen as nn
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from k2jax.config import K2Config
-from k2jax.nn.model import abstract_params, param_axes
 from k2jax.ops.quant import QuantizedWeight, is_quantized, scale_partition
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -75,46 +83,145 @@ def make_mesh(spec: str | dict[str, int], devices=None) -> jax.sharding.Mesh:
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
-def logical_to_spec(names: tuple[str | None, ...]) -> P:
-    """PartitionSpec of a tensor from its logical axis names, through RULES (a mesh axis is used at most once)."""
-    return nn.logical_to_mesh_axes(names, RULES)
+def _rule_axes(name: str | None, rules) -> tuple[str, ...]:
+    """The mesh axes a logical name maps to (its first rule), as a tuple; () = replicated or unknown."""
+    for logical, axes in rules:
+        if logical == name:
+            return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return ()
 
 
-def param_specs(cfg: K2Config, quant: str | None = None):
-    """PartitionSpec pytree of the params of `cfg` (same tree as k2jax.abstract_params(cfg, quant=quant));
-    a quantized param's leaf is a QuantizedWeight of its values' and scales' specs."""
-    return jax.tree_util.tree_map(logical_to_spec, param_axes(cfg, quant), is_leaf=lambda x: isinstance(x, P))
+def dividing_axes(axes: tuple[str, ...], dim: int, mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """THE fallback rule: `axes` if their sizes' product divides `dim`; otherwise the subset of them (in their
+    order) with the largest product that divides it, preferring more axes on a tie (size-1 axes stay); ()
+    when none does. Axes absent from the mesh count as size 1."""
+    def size(sub):
+        return math.prod(mesh_shape.get(a, 1) for a in sub)
+
+    if dim % size(axes) == 0:
+        return axes
+    subsets = [s for r in range(len(axes), -1, -1) for s in itertools.combinations(axes, r) if dim % size(s) == 0]
+    return max(subsets, key=lambda s: (size(s), len(s)))
+
+
+def logical_to_spec(names: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+                    mesh_shape: dict[str, int] | None = None, rules=RULES) -> P:
+    """PartitionSpec of a tensor from its logical axis names, through `rules` (a mesh axis is used at most
+    once: a later dim does not get an axis an earlier one took). With `shape` and `mesh_shape` each dim keeps
+    only the axes that divide it (see `dividing_axes`); without them, the rules' intent."""
+    used: set[str] = set()
+    entries = []
+    for i, name in enumerate(names):
+        axes = tuple(a for a in _rule_axes(name, rules) if a not in used)
+        if shape is not None and mesh_shape is not None:
+            axes = dividing_axes(axes, shape[i], mesh_shape)
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+def constrain(x, names: tuple[str | None, ...]):
+    """An activation constrained to its logical axes' sharding on the current mesh (jax.set_mesh, as
+    use_mesh sets), with the same per-dim fallback as the params (e.g. a batch of 3 on data=2: replicated).
+    A no-op without a mesh or without logical-axis rules (init traces with none)."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or not mesh.shape:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape), rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A param whose rule-given sharding the mesh does not divide: `wanted` (the rules' spec) and `got`
+    (the spec it is placed by); `extra_bytes_per_device`: what each device holds beyond an even split."""
+
+    name: str
+    shape: tuple[int, ...]
+    wanted: P
+    got: P
+    nbytes: int
+    mesh_shape: dict = dataclasses.field(compare=False)
+
+    @property
+    def extra_bytes_per_device(self) -> float:
+        return self.nbytes / self._shards(self.got) - self.nbytes / self._shards(self.wanted)
+
+    def _shards(self, spec):
+        return math.prod(shard_count(e, self.mesh_shape) for e in spec)
+
+    def describe(self) -> str:
+        n = len(self.shape)
+        dims = [f"dim {d} not divisible by {_axes_str(w, self.mesh_shape)} -> "
+                f"{_axes_str(g, self.mesh_shape) or 'replicated'}"
+                for d, w, g in zip(self.shape, _padded(self.wanted, n), _padded(self.got, n)) if w != g]
+        return (f"param {self.name} {list(self.shape)}: {'; '.join(dims)}; "
+                f"+{format_bytes(self.extra_bytes_per_device)} per device vs an even split")
+
+
+def param_specs(cfg: K2Config, mesh_shape: dict[str, int] | None = None, quant: str | None = None):
+    """PartitionSpec pytree of the params of `cfg` (same tree as k2jax.abstract_params(cfg, quant=quant)):
+    with `mesh_shape` ({"expert": 4, "tensor": 2, ...}) the specs each param is placed by (see
+    `dividing_axes`), without it the rules' intent. A quantized param's leaf is a QuantizedWeight of its
+    values' and scales' specs."""
+    from k2jax.nn.model import abstract_params, param_axes
+
+    if mesh_shape is None:
+        return jax.tree_util.tree_map(lambda n: logical_to_spec(tuple(n)), param_axes(cfg, quant), is_leaf=_is_spec)
+    return _placed_specs(param_axes(cfg, quant), abstract_params(cfg, quant=quant), mesh_shape)
+
+
+def fallbacks(cfg: K2Config, mesh_shape: dict[str, int], dtype=None, quant: str | None = None) -> list[Fallback]:
+    """The params of `cfg` that fall back on a mesh of `mesh_shape` (their bytes in `dtype`, default each
+    param's own: float32; a quantized param's: its held values')."""
+    from k2jax.nn.model import abstract_params, param_axes
+
+    shapes = abstract_params(cfg, *(() if dtype is None else (dtype,)), quant=quant)
+    return _fallbacks(param_axes(cfg, quant), shapes, dict(mesh_shape))
 
 
 def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, quant: str | None = None):
     """NamedSharding pytree of the params of `cfg` on `mesh` (no params are built: serves the 1T config).
 
-    quant "fp8" | "int4": the tree of abstract_params(cfg, quant=quant). A QuantizedWeight's scales shard
-    along the same mesh axes as its values where a shard holds whole blocks, and are replicated along a dim
-    where it does not (k2jax.ops.quant.scale_partition: dims under one block, as in tiny test configs).
+    Every config fits every mesh: a dim the mesh does not divide falls back (see `dividing_axes`), with one
+    warning per such param naming it and its cost (in float32; `k2jax plan` gives it in any dtype).
 
-    Raises ValueError naming the first param whose sharded dimension the mesh does not divide.
+    quant "fp8" | "int4": the tree of abstract_params(cfg, quant=quant). A QuantizedWeight's values fall back
+    as a plain param does; its scales shard along the same mesh axes as the values where a shard holds whole
+    blocks, and are replicated along a dim where it does not (k2jax.ops.quant.scale_partition).
     """
-    specs = param_specs(cfg, quant)
-    shapes = abstract_params(cfg, quant=quant)
+    from k2jax.nn.model import abstract_params, param_axes
+
     mesh_shape = dict(mesh.shape)
-    if quant is not None:
-        specs = jax.tree_util.tree_map(
-            lambda sp, w: QuantizedWeight(sp.values, P(*scale_partition(w, sp.values, mesh_shape)), w.fmt, w.in_ndim)
-            if is_quantized(w) else sp, specs, shapes, is_leaf=lambda x: isinstance(x, (P, QuantizedWeight)))
-    check_divisible(specs, shapes, mesh_shape)
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    axes, shapes = param_axes(cfg, quant), abstract_params(cfg, quant=quant)
+    for f in _fallbacks(axes, shapes, mesh_shape):
+        warnings.warn(f"k2jax.sharding: {f.describe()}", stacklevel=2)
+    specs = _placed_specs(axes, shapes, mesh_shape)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def check_divisible(specs, shapes, mesh_shape: dict[str, int]) -> None:
-    """Raise ValueError naming the first param whose sharded dimension the mesh axes do not divide."""
-    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)):
-        shape = _get(shapes, path).shape
-        for dim, axes in zip(shape, spec):
-            n = shard_count(axes, mesh_shape)
-            if dim % n:
-                raise ValueError(f"param {jax.tree_util.keystr(path)} {shape}: dimension {dim} is not divisible "
-                                 f"by mesh axes {axes} (size {n})")
+def _placed_specs(axes, shapes, mesh_shape):
+    def one(names, a):
+        if not is_quantized(a):
+            return logical_to_spec(tuple(names), a.shape, mesh_shape)
+        # The held values (INT4: packed, the output dim halved) fall back as a param; the scales follow them.
+        values = logical_to_spec(tuple(names.values), a.values.shape, mesh_shape)
+        return QuantizedWeight(values, P(*scale_partition(a, values, mesh_shape)), a.fmt, a.in_ndim)
+
+    return jax.tree_util.tree_map(one, axes, shapes, is_leaf=_is_axes_leaf)
+
+
+def _fallbacks(axes, shapes, mesh_shape) -> list[Fallback]:
+    out = []
+    for (path, names), a in zip(jax.tree_util.tree_leaves_with_path(axes, is_leaf=_is_axes_leaf),
+                                jax.tree_util.tree_leaves(shapes, is_leaf=is_quantized)):
+        if is_quantized(a):  # judged by its held values; the scales' placement follows from theirs
+            names, a = names.values, a.values
+        wanted, got = logical_to_spec(tuple(names)), logical_to_spec(tuple(names), a.shape, mesh_shape)
+        if _effective(wanted, a.ndim, mesh_shape) != _effective(got, a.ndim, mesh_shape):
+            name = ".".join(str(k.key) for k in path)
+            out.append(Fallback(name, tuple(a.shape), wanted, got, a.size * a.dtype.itemsize, mesh_shape))
+    return out
 
 
 def shard_count(entry, mesh_shape: dict[str, int]) -> int:
@@ -122,6 +229,22 @@ def shard_count(entry, mesh_shape: dict[str, int]) -> int:
     if entry is None:
         return 1
     return math.prod(mesh_shape.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes to 3 significant figures in the unit that fits: 512 B, 1.50 KiB, 67.1 MiB, 14.2 GiB, 1.02 TiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{_sig3(n / scale)} {unit}"
+    return f"{n:.0f} B"
+
+
+def _sig3(x: float) -> str:
+    digits = max(0, 2 - int(math.floor(math.log10(abs(x))))) if x else 2
+    s = f"{x:.{digits}f}"
+    if float(s) and abs(float(s)) >= 10 ** (3 - digits):  # rounding went up a decade (999.6 -> 1000)
+        s = f"{x:.{max(0, digits - 1)}f}"
+    return s
 
 
 @contextlib.contextmanager
@@ -132,7 +255,24 @@ def use_mesh(mesh: jax.sharding.Mesh):
         yield mesh
 
 
-def _get(tree, path):
-    for k in path:
-        tree = getattr(tree, k.name) if isinstance(k, jax.tree_util.GetAttrKey) else tree[k.key]
-    return tree
+def _is_spec(x):
+    return isinstance(x, P)
+
+
+def _is_axes_leaf(x):
+    return isinstance(x, (P, QuantizedWeight))
+
+
+def _padded(spec, n):
+    return tuple(spec) + (None,) * (n - len(spec))
+
+
+def _effective(spec, ndim, mesh_shape):
+    """The spec with size-1 axes dropped: two specs that cut every dim alike compare equal."""
+    return tuple(tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh_shape.get(a, 1) > 1)
+                 for e in _padded(spec, ndim))
+
+
+def _axes_str(entry, mesh_shape) -> str:
+    axes = (entry,) if isinstance(entry, str) else entry or ()
+    return ",".join(f"{a}={mesh_shape.get(a, 1)}" for a in axes)

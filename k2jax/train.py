@@ -234,15 +234,37 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
 
     if mesh is None:
         return TrainStep(jax.jit(step, donate_argnums=(0, 1)), optimizer)
-    from k2jax.sharding import logical_to_spec, param_shardings
+    from k2jax.sharding import param_shardings
 
     param_sh = param_shardings(cfg, mesh, quant=quant)
     opt_sh = opt_state_shardings(optimizer, trainable(abstract_params(cfg, model.param_dtype, quant=quant)),
                                  trainable(param_sh), mesh)
-    batch_sh = NamedSharding(mesh, logical_to_spec(("batch", "length")))
-    fn = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
-                 out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())), donate_argnums=(0, 1))
-    return TrainStep(fn, optimizer, mesh, param_sh, opt_sh)
+    return TrainStep(_BatchShardedJit(step, mesh, param_sh, opt_sh), optimizer, mesh, param_sh, opt_sh)
+
+
+class _BatchShardedJit:
+    """The jitted step on a mesh, with the batch split over ("data", "fsdp") as far as its size allows (the
+    same per-dim fallback as the params, k2jax.sharding.logical_to_spec): one jit per batch sharding."""
+
+    def __init__(self, step, mesh, param_sh, opt_sh):
+        self.step, self.mesh, self.param_sh, self.opt_sh, self.jits = step, mesh, param_sh, opt_sh, {}
+
+    def _jit(self, batch):
+        from k2jax.sharding import logical_to_spec
+
+        spec = logical_to_spec(("batch", "length"), batch["tokens"].shape, dict(self.mesh.shape))
+        if spec not in self.jits:
+            self.jits[spec] = jax.jit(self.step, in_shardings=(self.param_sh, self.opt_sh,
+                                                               NamedSharding(self.mesh, spec)),
+                                      out_shardings=(self.param_sh, self.opt_sh, NamedSharding(self.mesh, P())),
+                                      donate_argnums=(0, 1))
+        return self.jits[spec]
+
+    def __call__(self, params, opt_state, batch):
+        return self._jit(batch)(params, opt_state, batch)
+
+    def lower(self, params, opt_state, batch):
+        return self._jit(batch).lower(params, opt_state, batch)
 
 
 # ------------------------------------------------------------------------------------------------ helpers

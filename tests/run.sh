@@ -49,4 +49,37 @@ set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected
   echo "pytest collected no tests"; exit 1
 fi
+
+# Floor environment: every dependency with a floor in setup.cfg at exactly that version (jaxlib = jax), cached
+# by the hash of that list; a named subset of the fast tests (model, parity, sharding, converter) runs on it.
+# Runs after a full run (no arguments), or with K2JAX_FLOOR=1; K2JAX_FLOOR=0 skips it.
+if [[ ${K2JAX_FLOOR:-$([[ $# == 0 ]] && echo 1 || echo 0)} == 1 ]]; then
+  floors=$(sed -n '/^install_requires =/,/^[^ ]/p' setup.cfg | grep '>=' | sed 's/ //g; s/>=/==/')
+  fkey=$(echo "$floors" | sha1sum | cut -c1-12)
+  floor_env="$cache/floor-$fkey"
+  if [[ ! -f $floor_env/.complete ]]; then
+    echo "== building $floor_env"
+    rm -rf "$floor_env"
+    "$py312" -m venv "$floor_env"
+    "$floor_env/bin/pip" install -q --upgrade pip
+    # shellcheck disable=SC2086
+    "$floor_env/bin/pip" install -q $floors numpy ml_dtypes tqdm pytest
+    touch "$floor_env/.complete"
+  fi
+  # A few minutes on 2 cores: the tokenizer, the model, parity against transformers, the converter, the
+  # expert-parallel MoE (forward and gradients) and the fallback sharding.
+  floor_tests="test_versions or test_tokenizer or test_scan_equals_blocks or test_blocked_forward or (test_parity and
+    (test_logits or test_attention)) or test_equals_load_hf_bit_exact or test_plain_orbax or
+    test_exchanges_equal_dense or (test_exchange_gradients_equal_dense and gather and data) or
+    test_the_fallback_rule or ((test_sharded_logits_equal_one_device_on_any_mesh or
+    test_plan_bytes_equal_a_sharded_load) and odd97)"
+  echo "== floor versions: $(echo $floors)"
+  set +e
+  PYTHONPATH=$PWD "$floor_env/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_versions.py tests/test_tokenizer.py tests/test_model.py tests/test_parity.py tests/test_convert.py \
+    tests/test_sharding.py tests/test_sharding_any.py -m "not slow" -k "$(echo $floor_tests)"
+  frc=$?
+  set -e
+  [[ $rc == 0 ]] && rc=$frc
+fi
 exit $rc

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.config import K2Config
+from k2jax.sharding import logical_to_spec
 
 
 def _groups(cfg: K2Config):
@@ -52,8 +53,6 @@ def pad_to_cache(entries, max_len: int):
 def cache_sharding(mesh: jax.sharding.Mesh):
     """Sharding of every cache leaf [L, B, S, *]: the batch split like the activations' batch (k2jax.sharding
     RULES: over 'data' and 'fsdp'), the rest replicated."""
-    from k2jax.sharding import logical_to_spec  # k2jax.sharding imports the model, which imports this package
-
     spec = logical_to_spec(("layers", "batch", None, None))
     return NamedSharding(mesh, PartitionSpec(*(_present(e, mesh) for e in spec)))
 

@@ -10,6 +10,7 @@ from k2jax.nn.mla import MLA
 from k2jax.nn.mlp import MLP
 from k2jax.nn.moe import MoE
 from k2jax.nn.norm import RMSNorm
+from k2jax.sharding import constrain
 
 
 class DecoderBlock(nn.Module):
@@ -29,7 +30,7 @@ class DecoderBlock(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None, experts=None, layer=None):
         cfg, dt = self.cfg, self.param_dtype
-        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed"))
+        x_BTD = constrain(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
         if cache is not None:
             cache = {k: v[layer] for k, v in cache.items()}
@@ -41,4 +42,4 @@ class DecoderBlock(nn.Module):
             x_BTD = x_BTD + MoE(cfg, dt, self.moe_impl, name="mlp")(h_BTD, experts, layer)
         else:
             x_BTD = x_BTD + MLP(cfg.intermediate_size, dt, name="mlp")(h_BTD)
-        return nn.with_logical_constraint(x_BTD, ("batch", "length", "act_embed")), kv
+        return constrain(x_BTD, ("batch", "length", "act_embed")), kv

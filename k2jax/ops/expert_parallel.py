@@ -4,6 +4,10 @@ Letters: T tokens (global), t tokens on one device, D model, K top-k, E experts,
 F expert hidden (f on one device, `tensor`-sharded), n devices on the `expert` axis, c rows per destination
 per round, R received rows, M (row, expert) slots.
 
+Experts the `expert` axis does not divide (6 on expert=4) are replicated, by the params' own fallback
+(k2jax.sharding): then nothing is exchanged and every device runs all experts on its own tokens; likewise an
+expert hidden dim that `tensor` does not divide is whole on every rank, with no psum over `tensor`.
+
 Tokens are split over (data, fsdp, expert); every `tensor` rank of a group holds the same tokens and computes
 its slice f of each expert's hidden dim, so the partial down projections are summed over `tensor` at the end.
 Two exchanges, both dropless and exact (they equal k2jax.ops.moe.moe_grouped up to float summation order):
@@ -35,10 +39,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k2jax.ops.moe import _ragged_swiglu, grouped_moe
 from k2jax.ops.quant import QuantizedWeight, compute_dtype, dequantize_shard, is_quantized, scale_partition
+from k2jax.sharding import dividing_axes, logical_to_spec
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -60,10 +65,13 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
         raise ValueError(f"expert-parallel mode must be one of {EP_MODES}, got {mode!r}")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     T, K = idx_TK.shape
-    E = gate_EDF.shape[0]
-    n = mesh.shape.get("expert", 1)
-    if E % n:
-        raise ValueError(f"{E} routed experts do not divide over the mesh's expert axis ({n})")
+    # Where the weights live, by the params' own rule (k2jax.sharding): experts the expert axis does not
+    # divide (6 on expert=4) are replicated, and then every device runs all experts for its own tokens (no
+    # exchange); an expert hidden dim that `tensor` does not divide is whole on every tensor rank (no psum).
+    e_spec = logical_to_spec(("experts", None, "expert_mlp"), gate_EDF.shape, dict(mesh.shape))
+    e_ax = "expert" if e_spec[0] == "expert" and "expert" in mesh.shape else None
+    f_ax = "tensor" if e_spec[2] == "tensor" and "tensor" in mesh.shape else None
+    n = mesh.shape["expert"] if e_ax else 1
     tok_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
     groups = math.prod(mesh.shape[a] for a in tok_axes)
     pad = -T % groups  # padding tokens are zeros routed with weight 0, dropped at the end
@@ -76,8 +84,6 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     x_TD, weight_TK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_TD, weight_TK))
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
     t_ax = tok_axes if tok_axes else None
-    e_ax = "expert" if "expert" in mesh.shape else None
-    f_ax = "tensor" if "tensor" in mesh.shape else None
 
     w_specs = tuple(_weight_spec(w, spec, mesh) for w, spec in
                     ((gate_EDF, P(e_ax, None, f_ax)), (up_EDF, P(e_ax, None, f_ax)), (down_EFD, P(e_ax, f_ax, None))))
@@ -104,7 +110,11 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     fn = jax.shard_map(local, mesh=mesh,
                        in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None)) + w_specs,
                        out_specs=P(t_ax, None))
-    return fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+    y_TD = fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+    # The real tokens, split as far as T divides (k2jax.sharding's fallback). Left to the compiler, the slice's
+    # sharding can be one jax 0.7-0.8 cannot name on the mesh (a ValueError when the jit's output is recovered).
+    t_out = dividing_axes(tok_axes, T, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(y_TD, NamedSharding(mesh, P(t_out or None, None)))
 
 
 def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile):

@@ -160,7 +160,10 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
             tok_sorted_M, mode="drop").reshape(n_tiles, tile)
         w_nC = jnp.zeros(n_tiles * tile, jnp.float32).at[pos_sorted_M].set(
             weight_TK.reshape(-1)[order_M], mode="drop").reshape(n_tiles, tile)
-        tile_expert = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_tiles) * tile, side="right"), E - 1)
+        # searchsorted(pad_end_E, starts, side="right") as a count: under shard_map, jax 0.7's searchsorted
+        # refuses a query that does not vary over the manual axes while pad_end_E does.
+        starts_n = jnp.arange(n_tiles) * tile
+        tile_expert = jnp.minimum(jnp.sum(pad_end_E[None, :] <= starts_n[:, None], axis=1), E - 1)
         n_active = pad_end_E[-1] // tile
 
     def run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
