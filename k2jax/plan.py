@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.checkpoint.quantized import quantized_leaves, quantized_shapes
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
+from k2jax.ops.quant import QuantizedWeight, is_quantized
 from k2jax.sharding import Fallback, format_bytes, parse_mesh_spec, param_specs, shard_count
 
 GiB, GB = 2**30, 10**9
@@ -26,7 +26,7 @@ GiB, GB = 2**30, 10**9
 PARTS = (("TPU v5e", 16 * GiB), ("TPU v6e", 32 * GiB), ("H100", 80 * GB), ("TPU v5p", 95 * GiB),
          ("H200", 141 * GB))
 DTYPES = ("bfloat16", "float8", "int4", "float32")
-# What each dtype holds quantized (k2jax.checkpoint.quantized): FP8 as released, e4m3 + a float32 scale per
+# What each dtype holds quantized (k2jax.nn.quantized): FP8 as released, e4m3 + a float32 scale per
 # 128x128 block (1 + 4/128² bytes per weight); INT4 routed experts, 4 bits + a bf16 scale per 32 inputs
 # (0.5 + 2/32 bytes per weight), the rest bf16.
 QUANT = {"float8": "fp8", "int4": "int4"}
@@ -73,19 +73,16 @@ def _component(keys: list[str]) -> str:
     return "norms"
 
 
-def _held_bytes(keys, shape, dtype, spec, quantized, quant, mesh_shape) -> tuple[float, float]:
-    """(bytes on each device, bytes of one copy) of one param as a load holds it: a quantized weight's values
-    sharded like the param, its scales along the stacked axes only (as k2jax.load places them)."""
-    shards = math.prod(shard_count(a, mesh_shape) for a in spec)
-    q = quantized.get(tuple(keys))
-    if q is None:
-        nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
-        return nbytes / shards, nbytes
-    stack, in_ndim = q
-    vs, vd, ss, sd = quantized_shapes(tuple(shape), quant, stack, in_ndim)
-    vbytes, sbytes = math.prod(vs) * jnp.dtype(vd).itemsize, math.prod(ss) * jnp.dtype(sd).itemsize
-    scale_shards = math.prod(shard_count(a, mesh_shape) for a in tuple(spec)[:stack])
-    return vbytes / shards + sbytes / scale_shards, vbytes + sbytes
+def _held_bytes(leaf, spec, mesh_shape) -> tuple[float, float]:
+    """(bytes on each device, bytes of one copy) of one param as a load holds it: a plain array, or a
+    QuantizedWeight's values and scales, each split as its spec says (k2jax.sharding.param_specs)."""
+    parts = ((leaf.values, spec.values), (leaf.scales, spec.scales)) if is_quantized(leaf) else ((leaf, spec),)
+    dev = full = 0.0
+    for a, sp in parts:
+        nbytes = math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+        dev += nbytes / math.prod(shard_count(e, mesh_shape) for e in sp)
+        full += nbytes
+    return dev, full
 
 
 def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", batch: int = 0,
@@ -102,24 +99,24 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], dtype: str = "bfloat16", bat
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     shape = parse_mesh_spec(mesh)
     quant = QUANT.get(dtype)
-    quantized = quantized_leaves(cfg, quant)
     act_dtype = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    shapes = abstract_params(cfg, act_dtype)
-    wanted, specs = param_specs(cfg), param_specs(cfg, shape)
+    shapes = abstract_params(cfg, act_dtype, quant=quant)
+    wanted, specs = param_specs(cfg, quant=quant), param_specs(cfg, shape, quant)
     per_dev: dict[str, float] = {}
     full: dict[str, float] = {}
     fell_back = []
-    for (path, spec), want in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, P)),
-                                  jax.tree_util.tree_leaves(wanted, is_leaf=lambda x: isinstance(x, P))):
+    is_spec = lambda x: isinstance(x, (P, QuantizedWeight))  # noqa: E731
+    for (path, spec), want, leaf in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec),
+                                        jax.tree_util.tree_leaves(wanted, is_leaf=is_spec),
+                                        jax.tree_util.tree_leaves(shapes, is_leaf=is_quantized)):
         keys = [k.key for k in path]
-        leaf = shapes
-        for k in keys:
-            leaf = leaf[k]
-        dev, nbytes = _held_bytes(keys, leaf.shape, leaf.dtype, spec, quantized, quant, shape)
+        dev, nbytes = _held_bytes(leaf, spec, shape)
         name = _component(keys)
         per_dev[name] = per_dev.get(name, 0) + dev
         full[name] = full.get(name, 0) + nbytes
-        f = Fallback(".".join(keys), tuple(leaf.shape), want, spec, nbytes, shape)
+        # A fallback is judged on what is split: the (held) values; quantized scales follow them.
+        v, sp, w = (leaf.values, spec.values, want.values) if is_quantized(leaf) else (leaf, spec, want)
+        f = Fallback(".".join(keys), tuple(v.shape), w, sp, math.prod(v.shape) * jnp.dtype(v.dtype).itemsize, shape)
         if f.extra_bytes_per_device > 0:
             fell_back.append(f)
     rows = [(name, per_dev[name], full[name]) for name in per_dev]

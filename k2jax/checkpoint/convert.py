@@ -138,13 +138,13 @@ def plan_leaves(cfg: K2Config, dtype: str, block) -> tuple[dict[str, dict], dict
             leaves[sname] = _spec(sshape, np.dtype(np.float32), stack)
             fp8[name] = {"scale": sname, "in_ndim": in_ndim}
         if dtype == "int4" and t.int4:
-            from k2jax.checkpoint.quantized import quantized_shapes
+            from k2jax.ops.quant import held_shapes
 
-            vs, vd, ss, sd = quantized_shapes(tuple(v.shape), "int4", stack, 1)
+            held = held_shapes(tuple(v.shape), "int4", 1, stack)
             sname = name + O.INT4_SCALE_SUFFIX
-            leaves[sname] = _spec(ss, np.dtype(sd), stack)
+            leaves[sname] = _spec(held.scales.shape, np.dtype(held.scales.dtype), stack)
             int4[name] = {"scale": sname, "in_ndim": 1}
-            leaves[name] = _spec(vs, np.dtype(vd), stack)
+            leaves[name] = _spec(held.values.shape, np.dtype(held.values.dtype), stack)
             continue
         leaves[name] = _spec(v.shape, dt, stack)
     return dict(sorted(leaves.items())), fp8, int4

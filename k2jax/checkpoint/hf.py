@@ -288,16 +288,17 @@ def load_hf(path: str | os.PathLike, dtype=None, quant: str | None = None) -> tu
     A plain float checkpoint with quant "fp8" or "int4" is refused (nothing there to keep): load it with
     quant=None and quantize the tree (k2jax.ops.quant.quantize) if that is what you want.
     """
-    from k2jax.checkpoint.quantized import abstract_quantized, check_quant
+    from k2jax.nn.model import abstract_params
+    from k2jax.nn.quantized import check_quant
 
     cfg = K2Config.from_hf_config(path)
-    quant = check_quant(quant)
+    check_quant(quant)
     with Checkpoint(path) as ckpt:
         plan = check_checkpoint(cfg, ckpt)
         raise_problems(plan.problems + quant_problems(plan, quant, ckpt), path)
         dtype = plan.float_dtype() if dtype is None else jnp.dtype(dtype)
         leaves = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_leaves_with_path(
-            abstract_quantized(cfg, dtype, quant), is_leaf=_is_qw)}
+            abstract_params(cfg, dtype, quant=quant), is_leaf=_is_qw)}
         # One preallocated array per (stacked) leaf, filled slot by slot: no list-then-stack copy.
         bufs = {k: (np.empty(v.values.shape, v.values.dtype), np.empty(v.scales.shape, v.scales.dtype))
                 if _is_qw(v) else np.empty(v.shape, v.dtype) for k, v in leaves.items()}

@@ -377,9 +377,10 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     import jax
     import jax.numpy as jnp
 
-    from k2jax.checkpoint.quantized import check_quant, quantized_leaves
     from k2jax.config import K2Config
     from k2jax.nn.model import abstract_params
+    from k2jax.nn.quantized import check_quant
+    from k2jax.ops.quant import is_quantized
 
     manifest = read_manifest(ckpt_dir)
     what = "the given cfg" if cfg is not None else "its config.json"
@@ -387,7 +388,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     stored = manifest["dtype"]
     fp8, int4 = fp8_leaves(manifest), int4_leaves(manifest)
     float8 = dtype is not None and str(dtype) in ("float8", "float8_e4m3fn")
-    quant = check_quant(quant)
+    check_quant(quant)
     if float8 and quant is not None:
         raise ValueError(f"{ckpt_dir}: dtype float8 returns the stored leaves as they are; quant={quant!r} holds "
                          f"them as QuantizedWeight: give one of the two")
@@ -413,19 +414,31 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
         if shardings is None and mesh is not None:
             shardings = _float8_shardings(cfg, mesh, target, fp8)
         return cfg, restore(ckpt_dir, target, shardings, max_inflight_bytes)
+    # Where each stored array goes. On a mesh: a plain leaf by param_shardings; a quantized leaf's values and
+    # scales as the tree of its stored format places them (scales with their blocks), whatever it becomes.
+    held_sh = {}
     if shardings is None and mesh is not None:
         from k2jax.sharding import param_shardings
 
         shardings = param_shardings(cfg, mesh)
+        for fmt in ({"fp8"} if fp8 else set()) | ({"int4"} if int4 else set()) | ({quant} - {None}):
+            held_sh[fmt] = _flatten(param_shardings(cfg, mesh, quant=fmt))
     flat_sh = None if shardings is None else _flatten(shardings)
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def sharding_of(name):
         return one if flat_sh is None else flat_sh[name]
 
+    def stored_sharding(name, fmt, part, stack):
+        """The sharding of a stored quantized leaf's `part` ("values" | "scales")."""
+        if fmt in held_sh:
+            return getattr(held_sh[fmt][name], part)
+        return sharding_of(name) if part == "values" else _scale_sharding(sharding_of(name), stack)
+
     # Plain leaves: cast on read (bf16 -> f32 is exact). Quantized leaves: read as stored, then kept,
     # dequantized or requantized.
-    keep = {leaf_name(k) for k in quantized_leaves(cfg, quant)}
+    keep = {leaf_name(tuple(k.key for k in p)) for p, v in jax.tree_util.tree_leaves_with_path(
+        abstract_params(cfg, quant=quant), is_leaf=is_quantized) if is_quantized(v)}
     target, shard = {}, {}
     for n, v in want.items():
         shard[n] = sharding_of(n)
@@ -433,11 +446,13 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
         if q is None:
             target[n] = jax.ShapeDtypeStruct(v.shape, v.dtype)
             continue
+        fmt = "fp8" if n in fp8 else "int4"
         spec = manifest["leaves"][n]
-        target[n] = jax.ShapeDtypeStruct(tuple(spec["shape"]), _DTYPES[spec["dtype"]])
         sspec = manifest["leaves"][q["scale"]]
+        target[n] = jax.ShapeDtypeStruct(tuple(spec["shape"]), _DTYPES[spec["dtype"]])
         target[q["scale"]] = jax.ShapeDtypeStruct(tuple(sspec["shape"]), _DTYPES[sspec["dtype"]])
-        shard[q["scale"]] = _scale_sharding(shard[n], len(sspec["shape"]) - 2)
+        shard[n] = stored_sharding(n, fmt, "values", len(sspec["shape"]) - 2)
+        shard[q["scale"]] = stored_sharding(n, fmt, "scales", len(sspec["shape"]) - 2)
     flat = _flatten(restore(ckpt_dir, _unflatten(target), _unflatten(shard), max_inflight_bytes))
     block = tuple(manifest["fp8_block"])
     from k2jax.ops.quant import QuantizedWeight
@@ -448,17 +463,20 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
         if n in keep and fmt == quant:
             flat[n] = QuantizedWeight(w, s, fmt, info["in_ndim"])
         elif n in keep:  # an FP8 routed expert held as INT4: requantized, layer by layer
-            flat[n] = _requantize_fn(w.shape, info["in_ndim"], block, shard[n], s.ndim - 2)(w, s)
+            out_sh = ((held_sh[quant][n].values, held_sh[quant][n].scales) if quant in held_sh else
+                      (sharding_of(n), _scale_sharding(sharding_of(n), s.ndim - 2)))
+            flat[n] = _requantize_fn(info["in_ndim"], block, *out_sh)(w, s)
         elif fmt == "fp8":
-            flat[n] = _dequantize_fn(w.shape, info["in_ndim"], block, jnp.dtype(want[n].dtype), shard[n])(w, s)
+            flat[n] = _dequantize_fn(w.shape, info["in_ndim"], block, jnp.dtype(want[n].dtype), sharding_of(n))(w, s)
         else:
-            flat[n] = _dequantize_int4_fn(jnp.dtype(want[n].dtype), shard[n])(w, s)
+            flat[n] = _dequantize_int4_fn(jnp.dtype(want[n].dtype), sharding_of(n))(w, s)
         del w, s
     return cfg, _unflatten(flat)
 
 
-def _requantize_fn(shape, in_ndim, block, sharding, stack):
-    """jit: (e4m3 [L, ...], f32 block scales) -> QuantizedWeight int4, one layer's float32 copy at a time."""
+def _requantize_fn(in_ndim, block, v_sh, s_sh):
+    """jit: (e4m3 [L, ...], f32 block scales) -> QuantizedWeight int4 with values on v_sh and scales on s_sh,
+    one layer's float32 copy at a time."""
     import jax
 
     from k2jax.checkpoint.fp8 import dequantize
@@ -476,9 +494,6 @@ def _requantize_fn(shape, in_ndim, block, sharding, stack):
     def f(w, s):
         v, sc = jax.lax.map(one_layer, (w, s))
         return v, sc
-
-    v_sh = sharding
-    s_sh = _scale_sharding(sharding, stack)
 
     def run(w, s):
         from k2jax.ops.quant import QuantizedWeight

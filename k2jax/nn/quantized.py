@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from k2jax.ops.quant import FORMATS, QuantizedWeight, is_quantized, quantize
+from k2jax.ops.quant import FORMATS, QuantizedWeight, held_shapes, is_quantized, quantize
 
 QUANT_MODES = (None,) + tuple(FORMATS)
 _BLOCK_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
@@ -71,8 +71,6 @@ def dequantize_params(params, dtype=np.float32):
 
 def abstract_quantized(shapes, quant):
     """Abstract plain params (jax.ShapeDtypeStruct) -> the quantized tree's abstract leaves."""
-    import jax.numpy as jnp
-
     check_quant(quant)
 
     def one(path, v):
@@ -80,9 +78,7 @@ def abstract_quantized(shapes, quant):
         if layout is None:
             return v
         lead, ni = layout
-        values, scales = jax.eval_shape(lambda w: (lambda q: (q.values, q.scales))(
-            quantize(w, quant, in_ndim=ni, lead_ndim=lead)), jax.ShapeDtypeStruct(v.shape, jnp.float32))
-        return QuantizedWeight(values, scales, quant, ni)
+        return held_shapes(v.shape, quant, in_ndim=ni, lead_ndim=lead)
 
     return jax.tree_util.tree_map_with_path(one, shapes)
 

@@ -203,3 +203,9 @@ def dequantize_shard(w: QuantizedWeight, offsets, dtype):
     cols = (offsets[1] + jnp.arange(Out)) // bo
     s = jnp.take(jnp.take(w.scales.astype(jnp.float32), rows, axis=-2), cols, axis=-1)
     return (q.reshape(*shape[:lead], In, Out).astype(jnp.float32) * s).reshape(shape).astype(dtype)
+
+
+def held_shapes(shape: tuple[int, ...], fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeight:
+    """The QuantizedWeight (of jax.ShapeDtypeStruct: nothing allocated) that `quantize` makes of a weight of
+    logical `shape`: what a load holds for it, values and scales."""
+    return jax.eval_shape(lambda w: quantize(w, fmt, in_ndim, lead_ndim), jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
