@@ -11,12 +11,12 @@ import re
 FLOORS = {
     "jax": "0.7.1",
     "jaxlib": "0.7.1",
-    "flax": "0.10.7",
+    "flax": "0.10.4",
     "orbax-checkpoint": "0.11.17",
-    "optax": "0.2.4",
-    "chex": "0.1.89",
-    "safetensors": "0.4.3",
-    "tiktoken": "0.7.0",
+    "optax": "0.2.3",
+    "chex": "0.1.88",
+    "safetensors": "0.4.2",
+    "tiktoken": "0.6.0",
 }
 
 
