@@ -11,12 +11,12 @@ import re
 FLOORS = {
     "jax": "0.7.1",
     "jaxlib": "0.7.1",
-    "flax": "0.11.0",
-    "orbax-checkpoint": "0.11.20",
-    "optax": "0.2.5",
-    "chex": "0.1.90",
-    "safetensors": "0.4.5",
-    "tiktoken": "0.8.0",
+    "flax": "0.10.0",
+    "orbax-checkpoint": "0.11.17",
+    "optax": "0.2.2",
+    "chex": "0.1.87",
+    "safetensors": "0.4.2",
+    "tiktoken": "0.5.2",
 }
 
 

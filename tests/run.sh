@@ -71,7 +71,7 @@ if [[ ${K2JAX_FLOOR:-$([[ $# == 0 ]] && echo 1 || echo 0)} == 1 ]]; then
   floor_tests="test_versions or test_tokenizer or test_scan_equals_blocks or test_blocked_forward or (test_parity and
     (test_logits or test_attention)) or test_equals_load_hf_bit_exact or test_plain_orbax or
     test_exchanges_equal_dense or (test_exchange_gradients_equal_dense and gather and data) or
-    test_the_fallback_rule or ((test_sharded_logits_equal_one_device_on_any_mesh or
+    test_the_fallback_rule or test_train_step_on_a_mesh or ((test_sharded_logits_equal_one_device_on_any_mesh or
     test_plan_bytes_equal_a_sharded_load) and odd97)"
   echo "== floor versions: $(echo $floors)"
   set +e
