@@ -50,10 +50,11 @@ def _generate(args) -> int:
     main_process = D.is_main()  # only process 0 prints
     mesh = k2jax.make_mesh(args.mesh) if args.mesh else None
     t0 = time.perf_counter()
+    quant = None if args.quant == "none" else args.quant
     if args.checkpoint:
-        cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh)
+        cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh, quant=quant)
     else:
-        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype)
+        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
     D.log0(f"loaded in {time.perf_counter() - t0:.1f} s")
     model = k2jax.K2Model(cfg, jax_dtype(params))
     if mesh is None and cfg.num_moe_layers and jax.default_backend() == "cpu":
@@ -154,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="shard over a device mesh, e.g. expert=4,data=2 (with --checkpoint)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype (default: the checkpoint's; bfloat16 for the FP8 release)")
+    p.add_argument("--quant", default="none", choices=("none", "fp8", "int4"),
+                   help="weights held on device: none = dequantized to --dtype (default); fp8 = an FP8 "
+                        "checkpoint's e4m3 blocks as stored; int4 = routed experts in 4 bits (a Kimi-K2-Thinking "
+                        "checkpoint's as stored, an FP8 one's requantized: lossy), the rest in --dtype")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tiktoken.model and tokenizer_config.json")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn in the Kimi chat format")

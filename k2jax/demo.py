@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="CONFIG.json",
                    help="another HF config.json (e.g. configs/bench.json) instead of the built-in demo config; its "
                         "vocab_size must be at least 1012 (the demo tokenizer's ids) for text prompts")
+    p.add_argument("--quant", default="none", choices=("none", "fp8", "int4"),
+                   help="weights held on the devices: none = bf16 (default); fp8 = the checkpoint's e4m3 blocks as "
+                        "converted; int4 = the routed experts requantized to 4 bits (lossy), the rest bf16")
     p.add_argument("--batch", type=int, default=8, help=f"prompts in the batch (default 8, at most {len(PROMPTS)})")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt (default 32)")
 
@@ -142,18 +145,22 @@ def _demo(work: pathlib.Path, args) -> int:
         size = sum(f.stat().st_size for f in src.iterdir())
         print(f"      {src}: {len(list(src.glob('*.safetensors')))} safetensors file(s), {size / MiB:.1f} MiB")
 
-    dst = work / "k2jax-bf16"
-    with step(f"converting with the streaming converter: k2jax convert {src} {dst}"):
-        stats = convert(src, dst, dtype="bfloat16", log=lambda *a, **k: print("     ", *a, **k))
+    quant = None if args.quant == "none" else args.quant
+    stored = "bfloat16" if quant is None else "float8"  # a quantized load keeps (or requantizes) the FP8 blocks
+    dst = work / f"k2jax-{stored}"
+    with step(f"converting with the streaming converter: k2jax convert {src} {dst} --dtype {stored}"):
+        stats = convert(src, dst, dtype=stored, log=lambda *a, **k: print("     ", *a, **k))
         if not stats.complete:
             raise RuntimeError(f"{dst}: conversion incomplete")
 
-    with step(f"restoring on the mesh {spec}: each device reads only the chunks of its own shards"):
-        cfg, params = k2jax.load(dst, mesh=mesh)
+    held = {None: "bf16", "fp8": "fp8 blocks", "int4": "int4 routed experts"}[quant]
+    with step(f"restoring on the mesh {spec} ({held}): each device reads only the chunks of its own shards"):
+        cfg, params = k2jax.load(dst, mesh=mesh, quant=quant)
         jax.block_until_ready(params)
 
     with step("sharding plan: where the routed experts live, and bytes per device"):
-        _print_plan(cfg, params, devices, plan(cfg, dict(mesh.shape), "bfloat16"))
+        _print_plan(cfg, params, devices, plan(cfg, dict(mesh.shape), {None: "bfloat16", "fp8": "float8",
+                                                                       "int4": "int4"}[quant]))
 
     tok = KimiTokenizer.from_dir(tok_dir)
     prompts = PROMPTS[:args.batch]
@@ -196,15 +203,21 @@ def _print_plan(cfg, params, devices, estimate) -> None:
 
     from k2jax.checkpoint.orbax_io import _flatten
 
+    from k2jax.ops.quant import is_quantized
+
     held: dict = {d: [] for d in devices}
     nbytes: dict = {d: 0 for d in devices}
-    for name, a in _flatten(params).items():
-        for s in a.addressable_shards:
-            nbytes[s.device] += s.data.nbytes
-            if name == "moe_layers.mlp.experts.gate_proj":
+    for name, leaf in _flatten(params).items():
+        arrays = (leaf.values, leaf.scales) if is_quantized(leaf) else (leaf,)
+        for a in arrays:
+            for s in a.addressable_shards:
+                nbytes[s.device] += s.data.nbytes
+        if name == "moe_layers.mlp.experts.gate_proj":
+            a = arrays[0]  # [L, E, D, F] (int4: F packed in halves)
+            for s in a.addressable_shards:
                 e, f = s.index[1], s.index[3]
                 cols = "" if f == slice(None) or (f.start or 0, f.stop) == (0, a.shape[3]) else \
-                    f", expert hidden {f.start}:{f.stop}"
+                    f", expert hidden {f.start}:{f.stop}{' (packed)' if is_quantized(leaf) and leaf.fmt == 'int4' else ''}"
                 lo, hi = e.start or 0, (e.stop or a.shape[1]) - 1
                 held[s.device].append(f"expert {lo}{cols}" if lo == hi else f"experts {lo}-{hi}{cols}")
     one_copy = sum(a.nbytes for a in jax.tree.leaves(params))

@@ -177,9 +177,10 @@ def test_bad_inputs_raise(kwargs, match):
         generate(K2Model(TINY), {}, args.pop("prompts"), args.pop("max_new_tokens"), **args)
 
 
-def test_generate_command_on_one_device(tmp_path):
-    """`k2jax generate --hf-checkpoint` on one CPU device serves the split experts layout: same tokens as
-    generate() on the stacked params."""
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_generate_command_on_one_device(tmp_path, quant):
+    """`k2jax generate --hf-checkpoint [--quant int4]` on one CPU device serves the split experts layout: same
+    tokens as generate() on the stacked params (with --quant int4: the FP8 experts requantized to INT4)."""
     import subprocess
     import sys
 
@@ -191,8 +192,9 @@ def test_generate_command_on_one_device(tmp_path):
     prompt = PROMPTS[1]
     p = subprocess.run([sys.executable, "-m", "k2jax.cli", "generate", "--hf-checkpoint", str(src), "--dtype",
                         "float32", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(NEW),
-                        "--no-stop"], capture_output=True, text=True, timeout=300)
+                        "--no-stop"] + (["--quant", quant] if quant else []), capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr
-    _, params = k2jax.load_hf(src, dtype=jnp.float32)
+    _, params = k2jax.load_hf(src, dtype=jnp.float32, quant=quant)
     want, _ = generate(K2Model(cfg), params, [prompt], NEW)
     assert ",".join(map(str, want[0])) in p.stdout.splitlines(), p.stdout
