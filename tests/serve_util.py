@@ -92,14 +92,15 @@ def metric(port: int, name: str) -> float:
 
 
 class Solo:
-    """Each prompt alone through k2jax.generate on the checkpoint (greedy, float32), cached."""
+    """Each prompt alone through k2jax.generate on the checkpoint (greedy, float32; weights held as load_hf's
+    `quant` holds them), cached."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, quant=None):
         import jax.numpy as jnp
 
         import k2jax
 
-        self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32)
+        self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32, quant=quant)
         self.model = k2jax.K2Model(self.cfg, jnp.float32)
         self.params = k2jax.split_experts(params)
         self._memo = {}
