@@ -9,6 +9,7 @@ so every process steps the same program. Only process 0 answers.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import threading
@@ -144,9 +145,16 @@ def run(args) -> int:
 
     app = make_app(engine, tok, name)
     print(f"k2jax serve: http://{args.host}:{args.port}/v1 (model {name!r})", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then restores the handlers it found and raises the
+    # signal again: with the default handlers that kills the process before the engine stops and, multi-host,
+    # before the other processes are told to stop (they then lose the coordination service this one holds).
+    # Handlers that ignore that second signal let the shutdown below run.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.stop()
         thread.join(timeout=90)
         if multi:
