@@ -1,29 +1,52 @@
-"""Serving throughput and latency: the k2jax engine (continuous batching over the latent cache) against
-transformers' continuous batching (`generate_batch`, in the oracle environment) on the same random
-bench-config weights, and the engine against k2jax's own static `generate` at a full batch.
+"""Serving throughput and latency, side by side: `k2jax serve` against `transformers serve` (in the oracle
+environment) on the same random bench-config weights (bf16), both driven over HTTP by the same streaming
+client; then the k2jax server at a full batch against k2jax's own static `generate`.
 
 Workload (the defaults): 64 requests, prompts of 32-512 tokens, 32-128 new tokens, at concurrency 1, 4 and
 16 and with Poisson arrivals at two rates. Printed side by side: output tokens/s, time to first token p50/p99
-and inter-token latency p50/p99. `--requests/--max-prompt/--max-new/--config` shrink it for a quick run.
+and inter-token latency p50/p99 (from the streamed chunks). `--requests/--max-prompt/--max-new` shrink it.
 
-Why not `transformers serve`: it needs fastapi and uvicorn in the oracle environment (transformers[serving]),
-which tests/oracle/requirements.txt does not install, and an HF tokenizer for the checkpoint, which the
-synthetic checkpoint does not have; generate_batch is the continuous-batching scheduler it runs on.
+transformers' side. `transformers serve --continuous-batching` (and `generate_batch`, the same
+ContinuousBatchingManager) cannot run DeepseekV3 in transformers 5.24: its paged cache is laid out as
+[num_key_value_heads, head_dim] per token, but DeepseekV3's attention caches the MLA latent, and the first
+request fails with "index_copy_(): Source/destination tensor must have same slice shapes. Destination slice
+shape: 16 32 at dimension 0 and source slice shape: 1 256 at dimension 0". So the comparison is with
+`transformers serve` without continuous batching (its default: one `generate` at a time on its inference
+thread), which is what that server offers for this model. It needs fastapi, uvicorn, openai and accelerate,
+which the oracle environment does not install: `--hf-extra DIR` puts a `pip install --target DIR fastapi
+uvicorn openai accelerate` on its path. Prompts go to it as text of a word-level tokenizer written beside the
+checkpoint ("t17 t5 ..." is ids 17, 5, ...), to k2jax as the same token ids; k2jax ignores EOS, transformers
+stops at it (rare on random weights; tokens/s counts the tokens it sent).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+_TOKENIZER = r"""
+import sys
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+d, V = sys.argv[1], int(sys.argv[2])
+t = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=t, bos_token="t0", eos_token="t1", pad_token="t0",
+                        unk_token="t0").save_pretrained(d)
+"""
 
 
 def workload(n, min_prompt, max_prompt, min_new, max_new, vocab, seed=0):
@@ -36,144 +59,202 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def run_engine(engine, jobs, concurrency=None, rate=None, seed=0):
-    """Drive the engine on this thread: closed loop at `concurrency`, or Poisson arrivals at `rate`/s.
-    -> (output tokens/s, TTFTs, inter-token latencies)."""
-    from k2jax.serving.engine import Request, SamplingParams
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1 / rate, len(jobs))) if rate else None
-    times: dict[int, list[float]] = {}
-    starts: dict[int, float] = {}
-    pending = list(range(len(jobs)))
-    live = set()
+
+def wait_up(url, proc, timeout=900):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return time.time() - t0
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} not up after {timeout} s")
+
+
+async def one(client, url, body, n_of):
+    """Stream one completion: -> (send time, token arrival times)."""
+    times = []
     t0 = time.perf_counter()
-    done = 0
-
-    def on(k):
-        def cb(ev):
-            nonlocal done
-            if ev.token_ids:
-                times[k].append(time.perf_counter())
-            if ev.finish_reason:
-                live.discard(k)
-                done += 1
-        return cb
-
-    while done < len(jobs):
-        now = time.perf_counter() - t0
-        while pending and ((concurrency and len(live) < concurrency) or (rate and arrivals[pending[0]] <= now)):
-            k = pending.pop(0)
-            p, n = jobs[k]
-            times[k], starts[k] = [], time.perf_counter()
-            live.add(k)
-            engine.submit(Request(p, SamplingParams(max_tokens=n), on(k)))
-        if not live and pending and rate:
-            time.sleep(max(0.0, arrivals[pending[0]] - now))
-            continue
-        engine.step()
-    wall = time.perf_counter() - t0
-    ttft = [times[k][0] - starts[k] for k in times]
-    itl = [b - a for k in times for a, b in zip(times[k], times[k][1:])]
-    return sum(len(v) for v in times.values()) / wall, ttft, itl
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            n = n_of(json.loads(line[6:])["choices"][0])
+            times += [time.perf_counter()] * n
+    return t0, times
 
 
-_HF = r"""
-import json, sys, time, torch
-from transformers import AutoModelForCausalLM, GenerationConfig
-ckpt, jobs, max_batch = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-torch.manual_seed(0)
-model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
-out = {}
-for n in sorted({n for _, n in jobs}):
-    pass
-gc = GenerationConfig(max_new_tokens=max(n for _, n in jobs), do_sample=False, eos_token_id=-1, pad_token_id=0,
-                      max_batch_tokens=512, num_blocks=2048, block_size=32, scheduler="fifo")
-t = time.perf_counter()
-res = model.generate_batch(inputs=[p for p, _ in jobs], generation_config=gc)
-wall = time.perf_counter() - t
-toks = sum(len(r.generated_tokens) for r in res.values())
-ttft = [r.timestamps[0] - r.created_time for r in res.values() if getattr(r, "timestamps", None)] if res else []
-print("RESULT", json.dumps({"tokens_per_s": toks / wall, "wall": wall, "tokens": toks, "ttft": ttft}))
-"""
+async def drive(url, make_body, n_of, jobs, concurrency=None, rate=None, seed=0):
+    """Closed loop at `concurrency`, or Poisson arrivals at `rate`/s -> (tokens/s, TTFTs, ITLs)."""
+    import httpx
+
+    results = []
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=256)) as client:
+        t0 = time.perf_counter()
+        if rate:
+            arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(jobs)))
+
+            async def at(k):
+                await asyncio.sleep(max(0.0, t0 + arrivals[k] - time.perf_counter()))
+                results.append(await one(client, url, make_body(*jobs[k]), n_of))
+
+            await asyncio.gather(*(at(k) for k in range(len(jobs))))
+        else:
+            queue = list(range(len(jobs)))
+
+            async def worker():
+                while queue:
+                    k = queue.pop(0)
+                    results.append(await one(client, url, make_body(*jobs[k]), n_of))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttft = [ts[0] - s for s, ts in results if ts]
+    itl = [b - a for _, ts in results for a, b in zip(ts, ts[1:])]
+    return sum(len(ts) for _, ts in results) / wall, ttft, itl
 
 
-def run_transformers(ckpt, jobs, max_batch):
-    py = os.environ.get("K2JAX_ORACLE_PYTHON")
-    if not py:
-        return None, "K2JAX_ORACLE_PYTHON not set"
-    r = subprocess.run([py, "-c", _HF, str(ckpt), json.dumps(jobs), str(max_batch)], capture_output=True, text=True,
-                       timeout=3600)
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), None)
-    if line is None:
-        return None, (r.stderr or r.stdout).strip().splitlines()[-1:]
-    return json.loads(line[7:]), None
+def scenarios(args):
+    return ([(f"concurrency {c}", {"concurrency": c}) for c in map(int, args.concurrency.split(",")) if c]
+            + [(f"poisson {r:g}/s", {"rate": r}) for r in map(float, args.rates.split(",")) if r])
+
+
+def run_all(url, make_body, n_of, jobs, args):
+    out = {}
+    for name, kw in scenarios(args):
+        out[name] = asyncio.run(drive(url, make_body, n_of, jobs, **kw))
+        print(f"  {name}: {out[name][0]:.1f} tokens/s", flush=True)
+    return out
+
+
+def serve(argv, env, health, log):
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return proc, wait_up(health, proc)
+
+
+def stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "..", "configs", "bench.json"))
+    ap.add_argument("--config", default=os.path.join(REPO, "configs", "bench.json"))
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--min-new", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=16, help="k2jax decode slots (default 16)")
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rates", default="0.5,2", help="Poisson arrival rates, requests/s")
+    ap.add_argument("--hf-extra", metavar="DIR", help="a pip --target directory with fastapi, uvicorn, openai and "
+                                                       "accelerate for the oracle environment")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--log", default=os.devnull, help="the servers' output goes here")
     args = ap.parse_args()
 
     import jax.numpy as jnp
 
     import k2jax
-    from k2jax.serving.engine import Engine
-    from k2jax.testing import random_params, write_release_checkpoint
+    from k2jax.checkpoint.hf import save_hf
+    from k2jax.testing import random_params
 
     cfg = k2jax.K2Config.from_hf_config(args.config)
     jobs = workload(args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new, cfg.vocab_size)
     max_len = args.max_prompt + args.max_new
+    log = open(args.log, "a")
     with tempfile.TemporaryDirectory() as d:
-        ckpt = write_release_checkpoint(cfg, os.path.join(d, "hf"), seed=0, fast=True)
+        ckpt = os.path.join(d, "hf")
+        save_hf(random_params(cfg, jnp.bfloat16, seed=0), cfg, ckpt)
+        c = json.loads(open(os.path.join(ckpt, "config.json")).read())
+        with open(os.path.join(ckpt, "config.json"), "w") as f:  # transformers knows the architecture by this name
+            json.dump(c | {"model_type": "deepseek_v3"}, f)
+
+        # --- k2jax serve ---
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": REPO}
+        argv = [sys.executable, "-m", "k2jax.cli", "serve", "--hf-checkpoint", ckpt, "--dtype", "bfloat16",
+                "--port", str(port), "--model-name", "bench", "--max-batch", str(args.max_batch), "--max-len",
+                str(max_len), "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "100000"]
+        proc, up = serve(argv, env, f"http://127.0.0.1:{port}/health", log)
+        print(f"k2jax serve up (load + compile) in {up:.0f} s", flush=True)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        kbody = lambda p, n: {"model": "bench", "prompt": p, "max_tokens": n, "temperature": 0,  # noqa: E731
+                              "ignore_eos": True, "stream": True}
+        kn = lambda ch: len(ch.get("token_ids") or [])  # noqa: E731
+        try:
+            k2 = run_all(url, kbody, kn, jobs, args)
+            full = [(p, args.max_new) for p, _ in jobs[:args.max_batch]]
+            asyncio.run(drive(url, kbody, kn, full, concurrency=args.max_batch))  # warm: HTTP and the slots
+            eng_tps = asyncio.run(drive(url, kbody, kn, full, concurrency=args.max_batch))[0]
+        finally:
+            stop(proc)
+
+        # --- transformers serve ---
+        hf, why = {}, "skipped (--no-transformers)"
+        py = os.environ.get("K2JAX_ORACLE_PYTHON")
+        if not args.no_transformers and not py:
+            why = "K2JAX_ORACLE_PYTHON not set"
+        elif not args.no_transformers:
+            subprocess.run([py, "-c", _TOKENIZER, ckpt, str(cfg.vocab_size)], check=True)
+            port = free_port()
+            henv = dict(os.environ) | ({"PYTHONPATH": args.hf_extra} if args.hf_extra else {})
+            tf = os.path.join(os.path.dirname(py), "transformers")
+            proc, up = serve([tf, "serve", ckpt, "--device", "cpu", "--dtype", "bfloat16", "--host", "127.0.0.1",
+                              "--port", str(port)], henv, f"http://127.0.0.1:{port}/v1/models", log)
+            print(f"transformers serve up in {up:.0f} s", flush=True)
+            hbody = lambda p, n: {"model": ckpt, "prompt": " ".join(f"t{t}" for t in p),  # noqa: E731
+                                  "max_tokens": n, "temperature": 0, "stream": True}
+            hn = lambda ch: len((ch.get("text") or "").split())  # noqa: E731
+            try:
+                asyncio.run(drive(f"http://127.0.0.1:{port}/v1/completions", hbody, hn, jobs[:1], concurrency=1))
+                hf = run_all(f"http://127.0.0.1:{port}/v1/completions", hbody, hn, jobs, args)
+            finally:
+                stop(proc)
+
+        # --- static generate at a full batch: the same prompts, one padded batch ---
         _, params = k2jax.load_hf(ckpt, dtype=jnp.bfloat16)
         model = k2jax.K2Model(cfg, jnp.bfloat16)
         params = k2jax.split_experts(params)
-        engine = Engine(model, params, max_batch=args.max_batch, max_len=max_len, prefill_chunk=args.prefill_chunk,
-                        max_queue=10**6)
-        print(f"compiling the engine: {engine.warm_up():.1f} s", flush=True)
-        rows = []
-        for c in [int(x) for x in args.concurrency.split(",") if x]:
-            rows.append((f"concurrency {c}", *run_engine(engine, jobs, concurrency=c)))
-        for r in [float(x) for x in args.rates.split(",") if x]:
-            rows.append((f"poisson {r}/s", *run_engine(engine, jobs, rate=r)))
-        hf, why = (None, "skipped") if args.no_transformers else run_transformers(ckpt, jobs, args.max_batch)
-
-        # static generate at a full batch: the first max_batch requests, one padded batch
-        full = jobs[:args.max_batch]
+        prompts = [p for p, _ in full]
+        k2jax.generate(model, params, prompts, args.max_new)  # compiles
         t = {}
-        k2jax.generate(model, params, [p for p, _ in full], max(n for _, n in full), timings=t)  # compiles
-        t = {}
-        out, lengths = k2jax.generate(model, params, [p for p, _ in full], max(n for _, n in full), timings=t)
+        _, lengths = k2jax.generate(model, params, prompts, args.max_new, timings=t)
         static_tps = int(lengths.sum()) / (t["prefill_s"] + t["decode_s"])
-        eng_tps, _, _ = run_engine(engine, [(p, max(n for _, n in full)) for p, _ in full],
-                                   concurrency=args.max_batch)
 
-    print(f"\nworkload: {len(jobs)} requests, prompts {args.min_prompt}-{args.max_prompt}, new {args.min_new}-"
-          f"{args.max_new}, {args.max_batch} slots, bf16, {args.config}")
-    print(f"{'k2jax engine':<18} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>9} {'ITL p99':>9}")
-    for name, tps, ttft, itl in rows:
-        print(f"{name:<18} {tps:>9.1f} {pct(ttft, 50):>8.2f}s {pct(ttft, 99):>8.2f}s {pct(itl, 50) * 1e3:>7.0f}ms "
-              f"{pct(itl, 99) * 1e3:>7.0f}ms")
-    if hf:
-        c16 = next((r for r in rows if r[0] == f"concurrency {args.max_batch}"), rows[-1])
-        print(f"transformers generate_batch (all {len(jobs)} at once, {args.max_batch}-ish slots): "
-              f"{hf['tokens_per_s']:.1f} tokens/s; k2jax at concurrency {args.max_batch}: {c16[1]:.1f} tokens/s "
-              f"= {c16[1] / hf['tokens_per_s']:.2f}x")
-    else:
+    print(f"\nworkload: {len(jobs)} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+          f"{args.min_new}-{args.max_new} new, bf16 random weights of {os.path.basename(args.config)}; k2jax "
+          f"{args.max_batch} slots x {max_len}; transformers serve without continuous batching (see --help)")
+    head = f"{'':<16} {'tokens/s':>17} {'TTFT p50 (s)':>15} {'TTFT p99 (s)':>15} {'ITL p50 (ms)':>15} " \
+           f"{'ITL p99 (ms)':>15}"
+    print(head + "\n" + f"{'':<16}" + f" {'k2jax':>8} {'hf':>8}" + f" {'k2jax':>7} {'hf':>7}" * 4)
+    for name, _ in scenarios(args):
+        a, b = k2[name], hf.get(name, (float("nan"), [], []))
+        print(f"{name:<16} {a[0]:>8.1f} {b[0]:>8.1f} {pct(a[1], 50):>7.2f} {pct(b[1], 50):>7.2f} "
+              f"{pct(a[1], 99):>7.2f} {pct(b[1], 99):>7.2f} {pct(a[2], 50) * 1e3:>7.0f} {pct(b[2], 50) * 1e3:>7.0f} "
+              f"{pct(a[2], 99) * 1e3:>7.0f} {pct(b[2], 99) * 1e3:>7.0f}")
+    if not hf:
         print(f"transformers: not measured ({why})")
-    print(f"full batch of {args.max_batch}: engine {eng_tps:.1f} vs static generate {static_tps:.1f} tokens/s = "
-          f"{eng_tps / static_tps:.2f}x")
+    else:
+        c = f"concurrency {max(map(int, args.concurrency.split(',')))}"
+        print(f"{c}: k2jax / transformers tokens/s = {k2[c][0] / hf[c][0]:.2f}x, TTFT p99 "
+              f"{pct(k2[c][1], 99):.2f} s vs {pct(hf[c][1], 99):.2f} s")
+    print(f"full batch ({args.max_batch} requests x {args.max_new} tokens): k2jax serve {eng_tps:.1f} vs static "
+          f"generate {static_tps:.1f} tokens/s = {eng_tps / static_tps:.2f}x")
 
 
 if __name__ == "__main__":

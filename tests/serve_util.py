@@ -68,19 +68,23 @@ def running(argvs, port, devices=1):
     """Start the processes (one argv each), wait for /health on `port`; kill them all on exit."""
     procs = [subprocess.Popen(a, env=env(devices), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for a in argvs]
+    ok = False
     try:
         wait_ready(port, procs)
         yield procs
+        ok = True
     finally:
         for p in procs:
             if p.poll() is None:
                 p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=60 if ok else 10)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    # a server stopped by SIGTERM shuts down cleanly (engine stopped, exit status 0)
+    assert [p.returncode for p in procs] == [0] * len(procs), [p.returncode for p in procs]
 
 
 def metric(port: int, name: str) -> float:
@@ -92,14 +96,15 @@ def metric(port: int, name: str) -> float:
 
 
 class Solo:
-    """Each prompt alone through k2jax.generate on the checkpoint (greedy, float32), cached."""
+    """Each prompt alone through k2jax.generate on the checkpoint (greedy, float32; weights held as load_hf's
+    `quant` holds them), cached."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt, quant=None):
         import jax.numpy as jnp
 
         import k2jax
 
-        self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32)
+        self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32, quant=quant)
         self.model = k2jax.K2Model(self.cfg, jnp.float32)
         self.params = k2jax.split_experts(params)
         self._memo = {}

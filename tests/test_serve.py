@@ -311,3 +311,27 @@ def test_load_200_requests_from_32_clients(server, solo):
     for k, p, n in jobs:
         ids, reason, used = results[k]
         assert ids == solo(p, n) and reason == "length" and used == n, k
+
+
+QUANT_PROMPTS = [prompt(30, 5), prompt(31, 11), prompt(32, 16)]  # one length bucket of generate: one compile
+
+
+def test_int4_weights_server_equals_generate_on_the_same_quantized_params(files, solo):
+    """--quant int4 on the FP8 checkpoint: the routed experts requantized to INT4 groups of 32 and held so
+    on device; the server answers what k2jax.generate gives on load_hf(quant="int4")'s params (and not what
+    the dequantized weights give, so --quant really reached the loader)."""
+    ckpt, tok = files
+    int4 = Solo(ckpt, quant="int4")
+    want = [int4(p, 10) for p in QUANT_PROMPTS]
+    assert want != [solo(p, 10) for p in QUANT_PROMPTS], "INT4 experts change no greedy token: a blind test"
+    port = free_port()
+    argv = serve_argv(ckpt, tok, port, "--quant", "int4", "--max-batch", "2", "--max-len", "64",
+                      "--prefill-chunk", "16")
+    with running([argv], port):
+        async def main():
+            async with aclient(port) as c:
+                rs = await asyncio.gather(*(c.completions.create(model="tiny", prompt=p, max_tokens=10,
+                                                                 extra_body=NO_EOS, **GREEDY) for p in QUANT_PROMPTS))
+                return [r.choices[0].token_ids for r in rs]
+
+        assert asyncio.run(main()) == want

@@ -53,3 +53,25 @@ def test_float8_engine_halves_the_cache_and_serves():
     want, _ = k2jax.generate(model, params, [[5, 6, 7, 8]], 6)
     assert reason == "length" and len(ids) == 6
     assert ids[0] == int(want[0][0])  # the first token comes from the prefill's own latents
+
+
+def e4m3_round_trip(x):
+    """An e4m3 round trip written out in float64: a per-token scale amax / 448, 3 mantissa bits rounded half
+    to even, exponents clipped at e4m3's smallest normal (2^-6; subnormals step 2^-9)."""
+    x = np.asarray(x, np.float64)
+    s = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-12) / 448.0
+    y = x / s
+    q = 2.0 ** (np.maximum(np.floor(np.log2(np.maximum(np.abs(y), 2.0**-9))), -6) - 3)
+    return np.clip(np.round(y / q) * q, -448, 448) * s
+
+
+def test_float8_cache_quantization_equals_an_e4m3_round_trip():
+    # tokens of very different ranges, as ckv and k_pe of a real model have (each is quantized on its own)
+    x = np.random.default_rng(0).standard_normal((4, 6, 64)) * np.logspace(-3, 2, 6)[None, :, None]
+    x[0, 0, 3] = 40.0  # one outlier sets its token's scale
+    q, s = dev.quantize(jnp.asarray(x, jnp.float32))
+    got = np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[..., None]
+    want = e4m3_round_trip(np.asarray(x, np.float32))
+    np.testing.assert_allclose(np.asarray(s), np.abs(np.asarray(x, np.float32)).max(-1) / 448, rtol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+    assert not np.allclose(got, x, rtol=1e-3)  # lossy: really rounded to 3 mantissa bits

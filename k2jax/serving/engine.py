@@ -268,8 +268,9 @@ class Engine:
                 self.samp["top_k"][b], self.samp["top_p"][b] = samp["top_k"], samp["top_p"]
                 self.pos[b] = len(r.prompt)
                 self.metrics.prompt_tokens += len(r.prompt)
+                first = int(_host(tok))  # waits for the prefill: the steps are dispatched asynchronously
                 self.metrics.observe_ttft(time.perf_counter() - r.arrived)
-                self._emit_token(r, int(_host(tok)))
+                self._emit_token(r, first)
 
     def _decode_live(self) -> None:
         live = np.array([r is not None and r.done_prompt == len(r.prompt) and not r.finished for r in self.slots])

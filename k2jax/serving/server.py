@@ -9,6 +9,7 @@ so every process steps the same program. Only process 0 answers.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import threading
@@ -40,8 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                   "or --demo): experts on 'expert', slots split over 'data'")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype (default: the checkpoint's; bfloat16 for --demo)")
-    p.add_argument("--quant", default="none", choices=("none",),
-                   help="weight quantization (none: weights in --dtype; FP8 checkpoints are dequantized on load)")
+    p.add_argument("--quant", default="none", choices=("none", "fp8", "int4"),
+                   help="weights held quantized on device, dequantized at each matmul (k2jax.load's quant=): "
+                        "none = every weight in --dtype (an FP8/INT4 checkpoint dequantized on load); fp8 = an "
+                        "FP8 checkpoint's (or --checkpoint's --dtype float8 conversion's) e4m3 weights with their "
+                        "128x128 block scales; int4 = the routed experts in 4 bits with a scale per 32 inputs (a "
+                        "Kimi-K2-Thinking release as stored, an FP8 one requantized: lossy), the rest in --dtype. "
+                        "With --demo the random weights are quantized so (default none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float8"),
                    help="latent cache dtype (auto: the compute dtype); float8 = e4m3 with a per-token scale")
     p.add_argument("--seed", type=int, default=0, help="seed of --demo's random weights (default 0)")
@@ -59,6 +65,7 @@ def load_model(args):
     from k2jax.tokenizer import KimiTokenizer
 
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
+    quant = None if args.quant == "none" else args.quant
     if args.mesh and args.hf_checkpoint:
         raise ValueError("--mesh works with --checkpoint or --demo; --hf-checkpoint loads on one device")
     mesh = k2jax.make_mesh(args.mesh) if args.mesh else None
@@ -70,17 +77,19 @@ def load_model(args):
 
         cfg = k2jax.K2Config.from_hf_config(DEMO_CONFIG)
         params = random_params(cfg, dtype or jnp.bfloat16, seed=args.seed)
+        if quant is not None:
+            params = k2jax.quantize_params(params, cfg, quant)
         if mesh is not None:
-            params = jax.device_put(params, k2jax.param_shardings(cfg, mesh))
+            params = jax.device_put(params, k2jax.param_shardings(cfg, mesh, quant=quant))
         if tok is None:
             with tempfile.TemporaryDirectory(prefix="k2jax-serve-tok-") as d:
                 tok = KimiTokenizer.from_dir(write_test_tokenizer(d, num_merges=TOKENIZER_MERGES))
         name = args.model_name or "k2jax-demo"
     elif args.checkpoint:
-        cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh)
+        cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh, quant=quant)
         name = args.model_name or _name(args.checkpoint)
     else:
-        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype)
+        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
         name = args.model_name or _name(args.hf_checkpoint)
     model = k2jax.K2Model(cfg, params["embed_tokens"].dtype)
     if mesh is None and cfg.num_moe_layers and jax.default_backend() == "cpu":
@@ -113,7 +122,7 @@ def run(args) -> int:
             raise ValueError(f"{flag} must be >= 1, got {v}")
     t0 = time.perf_counter()
     model, params, tok, name, mesh = load_model(args)
-    D.log0(f"k2jax serve: {name} loaded in {time.perf_counter() - t0:.1f} s")
+    D.log0(f"k2jax serve: {name} loaded in {time.perf_counter() - t0:.1f} s (weights {args.quant if args.quant != 'none' else args.dtype})")
     sync = None
     if multi:
         from k2jax.serving.multihost import StepSync
@@ -136,9 +145,16 @@ def run(args) -> int:
 
     app = make_app(engine, tok, name)
     print(f"k2jax serve: http://{args.host}:{args.port}/v1 (model {name!r})", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then restores the handlers it found and raises the
+    # signal again: with the default handlers that kills the process before the engine stops and, multi-host,
+    # before the other processes are told to stop (they then lose the coordination service this one holds).
+    # Handlers that ignore that second signal let the shutdown below run.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.stop()
         thread.join(timeout=90)
         if multi:
