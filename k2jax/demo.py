@@ -147,7 +147,7 @@ def _demo(work: pathlib.Path, args) -> int:
 
     quant = None if args.quant == "none" else args.quant
     stored = "bfloat16" if quant is None else "float8"  # a quantized load keeps (or requantizes) the FP8 blocks
-    dst = work / f"k2jax-{stored}"
+    dst = work / ("k2jax-bf16" if quant is None else "k2jax-float8")
     with step(f"converting with the streaming converter: k2jax convert {src} {dst} --dtype {stored}"):
         stats = convert(src, dst, dtype=stored, log=lambda *a, **k: print("     ", *a, **k))
         if not stats.complete:
