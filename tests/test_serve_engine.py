@@ -8,7 +8,7 @@ import numpy as np
 import k2jax
 from k2jax.inference.cache import pad_to_cache
 from k2jax.serving import device as dev
-from k2jax.serving.engine import Engine, SamplingParams, generate_one
+from k2jax.serving.engine import Engine, Request, SamplingParams, generate_one
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
@@ -75,3 +75,34 @@ def test_float8_cache_quantization_equals_an_e4m3_round_trip():
     np.testing.assert_allclose(np.asarray(s), np.abs(np.asarray(x, np.float32)).max(-1) / 448, rtol=1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
     assert not np.allclose(got, x, rtol=1e-3)  # lossy: really rounded to 3 mantissa bits
+
+
+def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows():
+    """Three requests submitted together while nothing decodes: one batched prefill (a bucket of 4 rows, one
+    spare; the long prompt takes a second chunk); then the decodes run over 2 of the 4 slots, all 4 (in
+    place) and 1, as requests join and finish. Every output equals generate on its prompt alone."""
+    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
+    params = random_params(cfg, jnp.float32, seed=3)
+    model = k2jax.K2Model(cfg, jnp.float32)
+    eng = Engine(model, params, max_batch=4, max_len=48, prefill_chunk=16)
+    shapes = []
+    for name in ("_prefill_first", "_prefill_next", "_decode_rows", "_decode"):
+        step = getattr(eng, name)
+        setattr(eng, name, lambda *a, _s=step, _n=name: shapes.append((_n, a[3].shape)) or _s(*a))
+    rng = np.random.default_rng(0)
+    jobs = [(rng.integers(2, cfg.vocab_size, n).tolist(), m) for n, m in ((5, 9), (21, 6), (9, 5))]
+    got = {}
+    for i, (p, m) in enumerate(jobs):
+        got[i] = []
+        eng.submit(Request(p, SamplingParams(max_tokens=m), lambda e, i=i: got[i].extend(e.token_ids)))
+    while any(eng.slots) or eng.waiting or eng._inbox:
+        eng.step()
+    for i, (p, m) in enumerate(jobs):
+        want, _ = k2jax.generate(model, params, [p], 9)  # one max_new_tokens: fewer compiles; greedy is a prefix
+        assert got[i] == [int(t) for t in want[0][:m]], i
+    assert shapes[0] == ("_prefill_first", (4, 16))  # all three at once
+    assert [s for s in shapes if s[0] == "_prefill_next"] == [("_prefill_next", (1, 16))]  # the long prompt's
+    # last 5 tokens, while the others decode
+    decodes = [s for s in shapes if s[0].startswith("_decode")]
+    assert decodes[:2] == [("_decode_rows", (2,)), ("_decode", (4,))]
+    assert set(decodes) == {("_decode_rows", (2,)), ("_decode", (4,)), ("_decode_rows", (1,))}

@@ -1,21 +1,26 @@
-"""The serving engine's two jitted steps over one slot cache, apart from the host-side bookkeeping.
+"""The serving engine's jitted steps over one slot cache, apart from the host-side bookkeeping.
 
 The slot cache is k2jax.inference.cache's latent cache for `max_batch` rows and `max_len + 1` positions:
 row b is slot b; the extra last position is a scratch column. K2Model.decode writes a step's new latents at
-one index shared by the whole batch, but each slot is at its own position: so every row's new token is
-written at the scratch column (a position every row may see, so causality is the kv_valid mask alone) and
-then moved to that row's own position. Cache positions are only storage: RoPE is applied from `positions`,
-and attention is a softmax over a set of keys, so where a key sits in its row does not matter.
+one index shared by the whole batch, but each slot is at its own position: so the new latents are written
+at scratch positions (which the rows may see, so causality is the kv_valid mask alone) and then moved to
+each row's own positions. Cache positions are only storage: RoPE is applied from `positions`, and attention
+is a softmax over a set of keys, so where a key sits in its row does not matter.
 
-- `prefill_chunk`: up to C tokens of one slot's prompt, as a C-token decode against that slot's row of the
-  cache (the chunk attends to the row's earlier chunks and causally to itself), and the first new token
-  sampled from the last prompt token's logits. C is one of a few fixed chunk sizes (compiled up front).
-- `decode`: one token for every slot; rows that are not live only touch the scratch column.
+- `prefill_first`: the first chunk of C tokens of one slot's prompt, or of a bucket of slots' prompts, as
+  K2Model's prefill (no cache to attend to), and the first new token sampled from each prompt's last logits.
+- `prefill_next`: a later chunk of one slot's prompt, as a C-token decode against a copy of its row with C
+  scratch columns appended (the chunk attends to the row's earlier chunks and causally to itself).
+- `decode_rows`: one token for a bucket of the slots (the live ones), against copies of their rows: a step
+  costs what its live rows cost, not what all the slots would.
+- `decode`: one token for every slot, in place; rows that are not live only touch the scratch column.
+
+The shapes are a few fixed chunk sizes and row buckets, all compiled up front.
 
 With kv_cache_dtype float8 the cache holds e4m3 latents and a float32 scale per token (amax / 448 over the
 token's latent), dequantized to the compute dtype for the step.
 
-Letters: B slots, C chunk tokens, S cache positions, L layers, R latent rank, P rope dim, V vocabulary.
+Letters: B rows of a step (slots), C chunk tokens, S cache positions, L layers, R latent rank, P rope dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -86,69 +91,98 @@ def _sample_rows(logits_BV, seed_B, step_B, temperature_B, top_k_B, top_p_B):
 
 
 def make_steps(model: K2Model, max_len: int):
-    """-> (prefill_chunk, decode), plain functions to jit with the cache (argument 1) donated.
+    """-> (prefill_first, prefill_next, decode_rows, decode), plain functions to jit with the cache (argument
+    1) donated.
 
-    prefill_chunk(params, cache, slot, tokens_C, start, length, samp) -> (cache, token): writes the chunk's
-    latents at positions start..start+C-1 of row `slot` (tokens past `length`, the prompt's length, are
-    padding: written but never visible) and samples from the logits at position length - 1 (meaningful on
-    the prompt's last chunk). samp = {"seed", "step", "temperature", "top_k", "top_p"} scalars.
+    prefill_first(params, cache, rows_B, tokens_BC, length_B, samp_B) -> (cache, tokens_B): the first chunk
+    of a prompt in each of the B slots rows_B: length_B tokens at the right end of tokens_BC (left padding,
+    as static generate has it), written at positions 0..length_B-1. It needs no cache, so it is K2Model's
+    prefill (key-blocked attention), cheaper than attending over the rows. Samples from the last logits
+    (meaningful when the chunk is the whole prompt). A row with length 0 writes nothing (fills a bucket).
 
-    decode(params, cache, tokens_B, pos_B, live_B, samp_B) -> (cache, tokens_B): tokens_B at positions pos_B
-    (each row sees its positions < pos_B), written at pos_B in live rows; samp_B as above, [B] each.
+    prefill_next(params, cache, rows_B, tokens_BC, start_B, length_B, samp_B) -> (cache, tokens_B): a later
+    chunk: C tokens at positions start_B..start_B+C-1, attending to the row's positions < start_B; those at
+    or past length_B are padding, computed but never written. Samples from the logits at length_B - 1.
+
+    decode_rows(params, cache, rows_B, tokens_B, pos_B, live_B, samp_B) -> (cache, tokens_B): one token in
+    each of B slots (a bucket of the live ones), written at pos_B in live rows.
+
+    decode(params, cache, tokens_B, pos_B, live_B, samp_B) -> (cache, tokens_B): the same for every slot,
+    in place (no copy of the cache's rows: at a full batch that copy would be the whole cache, every step).
+
+    samp = {"seed", "step", "temperature", "top_k", "top_p"}, one value per row.
     """
     scratch = max_len  # the last of S = max_len + 1 positions
     S = max_len + 1
 
-    def prefill_chunk(params, cache, slot, tokens_C, start, length, samp):
-        C = tokens_C.shape[0]
-        row = jax.tree.map(lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=1), cache)
+    def rows_step(params, cache, rows_B, tokens_BC, start_B, length_B):
+        """Run C tokens in each of B slots against copies of their rows, with C scratch columns appended
+        (where the model writes the new latents: they see each other causally, and the row's positions
+        < start), then write the real ones at their own positions. -> (logits [B, C, V], cache)."""
+        B, C = tokens_BC.shape
         dt = params["embed_tokens"].dtype
-        view = dequantize(row, dt)
-        positions_1C = (start + jnp.arange(C, dtype=jnp.int32))[None]
-        kv_valid_1S = (jnp.arange(S) < length)[None]
-        logits_1CV, view = model.apply({"params": params}, tokens_C[None], positions_1C, kv_valid_1S, view, start,
+        view = dequantize(jax.tree.map(lambda c: c[:, rows_B], cache), dt)
+        view = jax.tree.map(lambda v: jnp.concatenate([v, jnp.zeros(v.shape[:2] + (C,) + v.shape[3:], v.dtype)], 2),
+                            view)
+        s_S = jnp.arange(S + C)
+        kv_valid_BS = (s_S[None] < start_B[:, None]) | (s_S >= S)[None]
+        positions_BC = start_B[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+        logits_BCV, view = model.apply({"params": params}, tokens_BC, positions_BC, kv_valid_BS, view, S,
                                        method=K2Model.decode)
-        if _quantized(row):
-            def put(g, k):
-                q, s = quantize(jax.lax.dynamic_slice_in_dim(view[g][k], start, C, axis=2))
-                return {k: jax.lax.dynamic_update_slice_in_dim(row[g][k], q, start, axis=2),
-                        f"{k}_scale": jax.lax.dynamic_update_slice_in_dim(row[g][f"{k}_scale"], s, start, axis=2)}
-            row = {g: put(g, "ckv") | put(g, "k_pe") for g in row}
-        else:
-            row = view
-        cache = jax.tree.map(lambda c, r: jax.lax.dynamic_update_slice_in_dim(c, r, slot, axis=1), cache, row)
-        logits_V = jax.lax.dynamic_index_in_dim(logits_1CV[0], length - 1 - start, axis=0, keepdims=False)
-        token = _sample_rows(logits_V[None], *(jnp.asarray(samp[k])[None] for k in _SAMP))[0]
-        return cache, token
+        target_BC = jnp.where(positions_BC < length_B[:, None], positions_BC, scratch)  # padding: the scratch
+        new = {g: {k: v[k][:, :, S:] for k in ("ckv", "k_pe")} for g, v in view.items()}
+        return logits_BCV, _write(cache, rows_B[:, None], target_BC, new)
+
+    def prefill_first(params, cache, rows_B, tokens_BC, length_B, samp_B):
+        C = tokens_BC.shape[1]
+        first_B = C - jnp.maximum(length_B, 1)  # a spare row runs one token and writes none
+        t_BC = jnp.arange(C, dtype=jnp.int32)[None] - first_B[:, None]  # each token's position; < 0: padding
+        logits_BV, new = model.apply({"params": params}, tokens_BC, jnp.maximum(t_BC, 0), t_BC >= 0,
+                                     method=K2Model.prefill)
+        target_BC = jnp.where((t_BC >= 0) & (length_B[:, None] > 0), t_BC, scratch)
+        return _write(cache, rows_B[:, None], target_BC, new), _sample_rows(logits_BV, *(samp_B[k] for k in _SAMP))
+
+    def prefill_next(params, cache, rows_B, tokens_BC, start_B, length_B, samp_B):
+        logits_BCV, cache = rows_step(params, cache, rows_B, tokens_BC, start_B, length_B)
+        last_B = jnp.clip(length_B - 1 - start_B, 0, tokens_BC.shape[1] - 1)
+        logits_BV = jnp.take_along_axis(logits_BCV, last_B[:, None, None], axis=1)[:, 0]
+        return cache, _sample_rows(logits_BV, *(samp_B[k] for k in _SAMP))
+
+    def decode_rows(params, cache, rows_B, tokens_B, pos_B, live_B, samp_B):
+        logits_B1V, cache = rows_step(params, cache, rows_B, tokens_B[:, None], pos_B, jnp.where(live_B, pos_B + 1, 0))
+        return cache, _sample_rows(logits_B1V[:, 0], *(samp_B[k] for k in _SAMP))
 
     def decode(params, cache, tokens_B, pos_B, live_B, samp_B):
+        # Every row's new latent is written at the scratch column (which every row may see, so causality is
+        # kv_valid alone) and then moved to the row's own position.
         B = tokens_B.shape[0]
         dt = params["embed_tokens"].dtype
         s_S = jnp.arange(S)
         kv_valid_BS = (s_S[None] < pos_B[:, None]) | (s_S == scratch)[None]
         logits_B1V, view = model.apply({"params": params}, tokens_B[:, None], pos_B[:, None], kv_valid_BS,
                                        dequantize(cache, dt), scratch, method=K2Model.decode)
-        target_B = jnp.where(live_B, pos_B, scratch)
-        rows_B = jnp.arange(B)
+        target_B1 = jnp.where(live_B, pos_B, scratch)[:, None]
+        new = {g: {k: v[k][:, :, scratch:] for k in ("ckv", "k_pe")} for g, v in view.items()}
+        base = cache if _quantized(cache) else view  # unquantized, the updated view is the cache itself
+        return _write(base, jnp.arange(B)[:, None], target_B1, new), _sample_rows(logits_B1V[:, 0],
+                                                                                  *(samp_B[k] for k in _SAMP))
 
-        def move(c_LBSX, new_LBX):  # each row's new latent from the scratch column to its own position
-            return c_LBSX.at[:, rows_B, target_B].set(new_LBX.astype(c_LBSX.dtype))
+    return prefill_first, prefill_next, decode_rows, decode
 
-        out = {}
-        for g, v in cache.items():
-            out[g] = {}
-            for k in ("ckv", "k_pe"):
-                new_LBX = view[g][k][:, :, scratch]
-                if _quantized(cache):
-                    q, s = quantize(new_LBX)
-                    out[g][k] = move(v[k], q)
-                    out[g][f"{k}_scale"] = v[f"{k}_scale"].at[:, rows_B, target_B].set(s)
-                else:
-                    out[g][k] = move(view[g][k], new_LBX)
-        tokens = _sample_rows(logits_B1V[:, 0], *(samp_B[k] for k in _SAMP))
-        return out, tokens
 
-    return prefill_chunk, decode
+def _write(cache, rows_B1, target_BC, new):
+    """cache with new {group: {"ckv", "k_pe": [L, B, C, X]}} written at (rows_B1, target_BC), quantized for a
+    float8 cache. Several writes to one scratch position may land in any order: none is read."""
+    out = {}
+    for g, v in cache.items():
+        out[g] = dict(v)
+        for k in ("ckv", "k_pe"):
+            x_LBCX = new[g][k]
+            if _quantized(cache):
+                x_LBCX, scale_LBC = quantize(x_LBCX)
+                out[g][f"{k}_scale"] = v[f"{k}_scale"].at[:, rows_B1, target_BC].set(scale_LBC)
+            out[g][k] = v[k].at[:, rows_B1, target_BC].set(x_LBCX.astype(v[k].dtype))
+    return out
 
 
 _SAMP = ("seed", "step", "temperature", "top_k", "top_p")
@@ -160,8 +194,21 @@ def samp_arrays(B: int) -> dict:
             "top_k": np.zeros(B, np.int32), "top_p": np.ones(B, np.float32)}
 
 
+def row_buckets(max_batch: int) -> tuple[int, ...]:
+    """The row counts compiled up front for a step over some of the slots: powers of two below max_batch,
+    and it."""
+    return tuple([b for b in (1 << i for i in range(20)) if b < max_batch] + [max_batch])
+
+
+def bucket(n: int, sizes) -> int:
+    """The smallest of `sizes` (ascending) that holds n."""
+    return next(s for s in sizes if s >= n)
+
+
 @functools.cache
 def chunk_sizes(prefill_chunk: int) -> tuple[int, ...]:
-    """The prefill chunk lengths compiled up front: powers of two from 16 below prefill_chunk, and it."""
-    sizes = [c for c in (16 << i for i in range(20)) if c < prefill_chunk]
+    """The prefill chunk lengths compiled up front: powers of two from 64 below prefill_chunk, and it. A
+    shorter chunk runs padded to the next size: below 64 tokens a chunk's cost is mostly reading the
+    weights, so smaller sizes would add compiles and save little."""
+    sizes = [c for c in (64 << i for i in range(20)) if c < prefill_chunk]
     return tuple(sizes + [prefill_chunk])

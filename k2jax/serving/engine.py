@@ -1,8 +1,10 @@
 """Continuous batching: requests join and leave a fixed set of decode slots between engine steps.
 
-One engine step = prefill chunks (at most `prefill_chunk` prompt tokens in all, so a long prompt never
-stalls the running decodes) + one decode token for every live slot. Everything on the device has static
-shapes (k2jax.serving.device): nothing compiles after `warm_up`, however requests come and go.
+One engine step = prefill chunks + one decode token for every live slot. While slots decode, a step
+prefills at most `prefill_chunk` prompt tokens in all, so a long prompt never stalls the running decodes;
+while none does, every prefilling request gets a chunk in one batch. The decode runs over the smallest
+bucket of rows that holds the live slots. Everything on the device has static shapes
+(k2jax.serving.device): nothing compiles after `warm_up`, however requests come and go.
 
 The engine is driven by one thread (`run`); other threads call `submit` and `cancel`, which only touch a
 lock-protected inbox. Each request reports through its `on_event(Event)` callback, called on the engine
@@ -95,11 +97,14 @@ class Engine:
         dt = params["embed_tokens"].dtype
         self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self.cache = dev.slot_cache(model.cfg, max_batch, max_len, dt, kv_cache_dtype, mesh)
-        prefill, decode_step = dev.make_steps(model, max_len)
-        # The cache comes back laid out as it went in: one executable per step kind, however often it runs.
+        steps = dev.make_steps(model, max_len)
+        # The cache comes back laid out as it went in: one executable per step kind and shape, however often
+        # it runs.
         out = None if mesh is None else (jax.tree.map(lambda x: x.sharding, self.cache), self._rep)
-        self._prefill = jax.jit(prefill, donate_argnums=(1,), out_shardings=out)
-        self._decode = jax.jit(decode_step, donate_argnums=(1,), out_shardings=out)
+        self._prefill_first, self._prefill_next, self._decode_rows, self._decode = (
+            jax.jit(f, donate_argnums=(1,), out_shardings=out) for f in steps)
+        self.row_buckets = dev.row_buckets(max_batch)
+        self.chunk_sizes = dev.chunk_sizes(self.prefill_chunk)
         self.slots: list[Request | None] = [None] * max_batch
         self.tokens = np.zeros(max_batch, np.int32)  # each live slot's next input token
         self.pos = np.zeros(max_batch, np.int32)  # and its position
@@ -168,14 +173,28 @@ class Engine:
 
     def _warm_up(self) -> float:
         t0 = time.perf_counter()
-        samp1 = {k: v[0] for k, v in dev.samp_arrays(1).items()}
-        for c in dev.chunk_sizes(self.prefill_chunk):
-            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
-                np.int32(0), np.zeros(c, np.int32), np.int32(0), np.int32(1), samp1))
+        outs = []
+        for first, rows, c in self._prefill_shapes():
+            zeros = np.zeros(rows, np.int32)  # length 0: writes nothing
+            step, args = ((self._prefill_first, (zeros, np.zeros((rows, c), np.int32), zeros)) if first else
+                          (self._prefill_next, (zeros, np.zeros((rows, c), np.int32), zeros, zeros)))
+            self.cache, tok = step(self.params, self.cache, *self._put(*args, dev.samp_arrays(rows)))
+            outs.append(tok)
+        for k in self.row_buckets[:-1]:
+            self.cache, toks = self._decode_rows(self.params, self.cache, *self._put(
+                np.arange(k, dtype=np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32), np.zeros(k, bool),
+                dev.samp_arrays(k)))
+            outs.append(toks)
         self.cache, toks = self._decode(self.params, self.cache, *self._put(
             self.tokens, self.pos, np.zeros(self.max_batch, bool), self.samp))
-        jax.block_until_ready((tok, toks))
+        jax.block_until_ready(outs + [toks])
         return time.perf_counter() - t0
+
+    def _prefill_shapes(self) -> list[tuple[bool, int, int]]:
+        """(first chunk?, rows, chunk) of every prefill program: one slot's chunk at each chunk size, first or
+        later, and a bucket of slots' first chunks at the full chunk (the batch when nothing decodes)."""
+        return ([(first, 1, c) for first in (True, False) for c in self.chunk_sizes]
+                + [(True, b, self.prefill_chunk) for b in self.row_buckets[1:]])
 
     def _put(self, *host):
         """Host inputs of a step, replicated over the mesh (under jax.distributed every process passes the
@@ -226,6 +245,11 @@ class Engine:
         self._prefill_some()
         self._decode_live()
         self.metrics.observe_step(time.perf_counter() - t0)
+        self._gauges()
+
+    def _gauges(self) -> None:
+        # Set whenever a slot is taken or freed, not only at the end of a step: a client that has its
+        # first token (emitted mid-step) must already see its slot counted.
         self.metrics.queue_depth = self.queue_depth()
         self.metrics.slots_in_use = sum(r is not None for r in self.slots)
 
@@ -243,45 +267,94 @@ class Engine:
                 r.slot = b
                 self.slots[b] = r
                 self.prefilling.append(r)
+        self._gauges()
+
+    def _live(self) -> list[int]:
+        """The slots that decode this step."""
+        return [b for b, r in enumerate(self.slots) if r is not None and r.done_prompt == len(r.prompt)
+                and not r.finished]
 
     def _prefill_some(self) -> None:
+        """While slots decode, at most prefill_chunk prompt tokens per step, one request's chunk at a time (a
+        long prompt never stalls the decodes by more than one chunk). While none decodes nothing waits on the
+        step, so every prefilling request gets a chunk, in one batch: a burst of requests is prefilled as
+        static `generate` would, not one after another."""
+        if not self.prefilling:
+            return
+        fresh = [r for r in self.prefilling if r.done_prompt == 0]
+        if len(fresh) > 1 and not self._live():
+            self._prefill_rows(fresh, self.prefill_chunk)
+            return
         budget = self.prefill_chunk
         while budget > 0 and self.prefilling:
             r = self.prefilling[0]
             n = min(len(r.prompt) - r.done_prompt, budget)
-            c = next(c for c in dev.chunk_sizes(self.prefill_chunk) if c >= n)
-            start = min(r.done_prompt, self.max_len + 1 - c)  # a padded chunk must not run off the cache
-            chunk = np.zeros(c, np.int32)
-            part = r.prompt[start:start + c]
-            chunk[:len(part)] = part
-            p = r.params
-            samp = {"seed": np.uint32(p.seed % 2**32), "step": np.int32(0), "temperature": np.float32(p.temperature),
-                    "top_k": np.int32(p.top_k), "top_p": np.float32(p.top_p)}
-            self.cache, tok = self._prefill(self.params, self.cache, *self._put(
-                np.int32(r.slot), chunk, np.int32(start), np.int32(len(r.prompt)), samp))
-            r.done_prompt += n
+            self._prefill_rows([r], dev.bucket(n, self.chunk_sizes), n)
             budget -= n
-            if r.done_prompt == len(r.prompt):
-                self.prefilling.popleft()
-                b = r.slot
-                self.samp["seed"][b], self.samp["temperature"][b] = samp["seed"], samp["temperature"]
-                self.samp["top_k"][b], self.samp["top_p"][b] = samp["top_k"], samp["top_p"]
-                self.pos[b] = len(r.prompt)
-                self.metrics.prompt_tokens += len(r.prompt)
-                first = int(_host(tok))  # waits for the prefill: the steps are dispatched asynchronously
-                self.metrics.observe_ttft(time.perf_counter() - r.arrived)
-                self._emit_token(r, first)
+
+    def _prefill_rows(self, reqs: list[Request], c: int, most: int | None = None) -> None:
+        """One prefill program: the next chunk (at most `most` tokens, c of them computed) of each request;
+        several requests only at their first chunks."""
+        rows = dev.bucket(len(reqs), self.row_buckets) if len(reqs) > 1 else 1
+        slot, start, length = (np.zeros(rows, np.int32) for _ in range(3))  # spare rows: length 0
+        chunk = np.zeros((rows, c), np.int32)
+        samp = dev.samp_arrays(rows)
+        for i, r in enumerate(reqs):
+            n = min(len(r.prompt) - r.done_prompt, c if most is None else most)
+            part = r.prompt[r.done_prompt:r.done_prompt + n]
+            if r.done_prompt == 0:
+                chunk[i, c - n:] = part  # left-padded, as prefill_first takes it
+            else:
+                chunk[i, :n] = part
+            slot[i], start[i], length[i] = r.slot, r.done_prompt, r.done_prompt + n
+            p = r.params
+            samp["seed"][i], samp["temperature"][i] = p.seed % 2**32, p.temperature
+            samp["top_k"][i], samp["top_p"][i] = p.top_k, p.top_p
+        if reqs[0].done_prompt == 0:
+            step, args = self._prefill_first, (slot, chunk, length)
+        else:
+            step, args = self._prefill_next, (slot, chunk, start, length)
+        self.cache, toks_dev = step(self.params, self.cache, *self._put(*args, samp))
+        toks = None
+        for i, r in enumerate(reqs):
+            r.done_prompt = int(length[i])
+            if r.done_prompt < len(r.prompt):
+                continue
+            self.prefilling.remove(r)
+            b = r.slot
+            for k in ("seed", "temperature", "top_k", "top_p"):
+                self.samp[k][b] = samp[k][i]
+            self.pos[b] = len(r.prompt)
+            self.metrics.prompt_tokens += len(r.prompt)
+            if toks is None:
+                toks = _host(toks_dev)  # waits for the prefill: the steps are dispatched asynchronously
+            self.metrics.observe_ttft(time.perf_counter() - r.arrived)
+            self._emit_token(r, int(toks[i]))
 
     def _decode_live(self) -> None:
-        live = np.array([r is not None and r.done_prompt == len(r.prompt) and not r.finished for r in self.slots])
-        if not live.any():
+        """One token for each live slot, over the smallest bucket of rows that holds them."""
+        live = self._live()
+        if not live:
             return
+        k = dev.bucket(len(live), self.row_buckets)
         self.samp["step"] = np.array([len(r.out) if r is not None else 0 for r in self.slots], np.int32)
-        self.cache, toks = self._decode(self.params, self.cache, *self._put(self.tokens, self.pos, live, self.samp))
+        if k == self.max_batch:
+            mask = np.zeros(self.max_batch, bool)
+            mask[live] = True
+            self.cache, toks = self._decode(self.params, self.cache, *self._put(self.tokens, self.pos, mask,
+                                                                                 self.samp))
+            rows = np.arange(self.max_batch)
+        else:
+            spare = [b for b in range(self.max_batch) if b not in live][:k - len(live)]  # distinct, not live
+            rows = np.array(live + spare, np.int32)
+            mask = np.arange(k) < len(live)
+            self.cache, toks = self._decode_rows(self.params, self.cache, *self._put(
+                rows, self.tokens[rows], self.pos[rows], mask, {n: v[rows] for n, v in self.samp.items()}))
         toks = _host(toks)
-        for b in np.flatnonzero(live):
+        for i in np.flatnonzero(mask):
+            b = int(rows[i])
             self.pos[b] += 1
-            self._emit_token(self.slots[b], int(toks[b]))
+            self._emit_token(self.slots[b], int(toks[i]))
 
     def _emit_token(self, r: Request, tok: int) -> None:
         """Record a new token of `r`: report the text that is final, finish on a stop or the limit."""
@@ -330,6 +403,7 @@ class Engine:
             self.tokens[r.slot] = 0
             self.samp["temperature"][r.slot] = 0
         self.metrics.finished += 1
+        self._gauges()
 
 
 def _host(x) -> np.ndarray:
