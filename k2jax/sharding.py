@@ -180,7 +180,8 @@ def fallbacks(cfg: K2Config, mesh_shape: dict[str, int], dtype=None, quant: str 
     return _fallbacks(param_axes(cfg, quant), shapes, dict(mesh_shape))
 
 
-def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, quant: str | None = None):
+def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, quant: str | None = None,
+                    warn: bool = True):
     """NamedSharding pytree of the params of `cfg` on `mesh` (no params are built: serves the 1T config).
 
     Every config fits every mesh: a dim the mesh does not divide falls back (see `dividing_axes`), with one
@@ -189,12 +190,15 @@ def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.Abstra
     quant "fp8" | "int4": the tree of abstract_params(cfg, quant=quant). A QuantizedWeight's values fall back
     as a plain param does; its scales shard along the same mesh axes as the values where a shard holds whole
     blocks, and are replicated along a dim where it does not (k2jax.ops.quant.scale_partition).
+
+    warn=False: no warnings (for a caller that also asks for another layout of the same params, and warns
+    for the one it holds).
     """
     from k2jax.nn.model import abstract_params, param_axes
 
     mesh_shape = dict(mesh.shape)
     axes, shapes = param_axes(cfg, quant), abstract_params(cfg, quant=quant)
-    for f in _fallbacks(axes, shapes, mesh_shape):
+    for f in _fallbacks(axes, shapes, mesh_shape) if warn else ():
         warnings.warn(f"k2jax.sharding: {f.describe()}", stacklevel=2)
     specs = _placed_specs(axes, shapes, mesh_shape)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)

@@ -14,36 +14,34 @@ source tools/find_python.sh
 py312=${PYTHON312:-$(find_python 3.12)}
 py311=${PYTHON311:-$(find_python 3.11)}
 
+# build ENV PYTHON PIP-ARGS...: a venv at ENV with PIP-ARGS installed, unless a finished one is there. A venv
+# cannot be moved (absolute paths inside), so a stamp file marks a finished build.
+build() {
+  local env=$1 python=$2
+  shift 2
+  [[ -f $env/.complete ]] && return 0
+  echo "== building $env"
+  rm -rf "$env"
+  "$python" -m venv "$env"
+  "$env/bin/pip" install -q --upgrade pip
+  "$env/bin/pip" install -q "$@"
+  touch "$env/.complete"
+}
+
 # Main environment: dependencies cached by the hash of setup.cfg; the project itself installed editable.
-key=$(sha1sum setup.cfg | cut -c1-12)
-main_env="$cache/venv-$key"
-# A venv cannot be moved (absolute paths inside), so a stamp file marks a finished build.
-if [[ ! -f $main_env/.complete ]]; then
-  echo "== building $main_env"
-  rm -rf "$main_env"
-  "$py312" -m venv "$main_env"
-  "$main_env/bin/pip" install -q --upgrade pip
-  "$main_env/bin/pip" install -q -e '.[test]'
-  touch "$main_env/.complete"
-fi
+main_env="$cache/venv-$(sha1sum setup.cfg | cut -c1-12)"
+build "$main_env" "$py312" -e '.[test]'
 # Point the cached environment at this checkout (quick: no dependencies resolved).
 "$main_env/bin/pip" install -q --no-deps -e . 2>&1 | { grep -v "is ignored" || true; }
 
 # Oracle environment, cached by the hash of its requirements.
-okey=$(sha1sum tests/oracle/requirements.txt | cut -c1-12)
-oracle_env="$cache/oracle-$okey"
-if [[ ! -f $oracle_env/.complete ]]; then
-  echo "== building $oracle_env"
-  rm -rf "$oracle_env"
-  "$py311" -m venv "$oracle_env"
-  "$oracle_env/bin/pip" install -q -r tests/oracle/requirements.txt
-  touch "$oracle_env/.complete"
-fi
+oracle_env="$cache/oracle-$(sha1sum tests/oracle/requirements.txt | cut -c1-12)"
+build "$oracle_env" "$py311" -r tests/oracle/requirements.txt
 export K2JAX_ORACLE_PYTHON="$oracle_env/bin/python"
 export K2JAX_REQUIRE_ORACLE=1
 
 set +e
-"$main_env/bin/python" -m pytest "$@"
+"$main_env/bin/python" -m pytest --durations=15 "$@"
 rc=$?
 set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected
@@ -55,17 +53,9 @@ fi
 # Runs after a full run (no arguments), or with K2JAX_FLOOR=1; K2JAX_FLOOR=0 skips it.
 if [[ ${K2JAX_FLOOR:-$([[ $# == 0 ]] && echo 1 || echo 0)} == 1 ]]; then
   floors=$(sed -n '/^install_requires =/,/^[^ ]/p' setup.cfg | grep '>=' | sed 's/ //g; s/>=/==/')
-  fkey=$(echo "$floors" | sha1sum | cut -c1-12)
-  floor_env="$cache/floor-$fkey"
-  if [[ ! -f $floor_env/.complete ]]; then
-    echo "== building $floor_env"
-    rm -rf "$floor_env"
-    "$py312" -m venv "$floor_env"
-    "$floor_env/bin/pip" install -q --upgrade pip
-    # shellcheck disable=SC2086
-    "$floor_env/bin/pip" install -q $floors numpy ml_dtypes tqdm pytest
-    touch "$floor_env/.complete"
-  fi
+  floor_env="$cache/floor-$(echo "$floors" | sha1sum | cut -c1-12)"
+  # shellcheck disable=SC2086
+  build "$floor_env" "$py312" $floors numpy ml_dtypes tqdm pytest
   # A few minutes on 2 cores: the tokenizer, the model, parity against transformers, the converter, the
   # expert-parallel MoE (forward and gradients) and the fallback sharding.
   floor_tests="test_versions or test_tokenizer or test_scan_equals_blocks or test_blocked_forward or (test_parity and

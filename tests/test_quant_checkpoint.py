@@ -311,6 +311,24 @@ def test_held_not_expanded_and_bytes_match_plan(converted, dtype, quant):
     assert want.total < (0.62 if quant == "fp8" else 0.75) * bf16.total  # (tiny dims: norms weigh more)
 
 
+@pytest.mark.parametrize("dtype,quant", [("int4", "int4"), ("float8", "fp8")])
+def test_quantized_load_warns_once_per_fallback_param(converted, dtype, quant):
+    """expert=8 with 4 experts: the experts fall back (replicated). Each such param warns once, as held
+    (the loader also places the stored layout's scales, which must not warn again)."""
+    import warnings
+
+    import k2jax
+    from k2jax.sharding import fallbacks
+
+    mesh = k2jax.make_mesh("expert=8")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cfg, _ = k2jax.load(converted[dtype], quant=quant, mesh=mesh)
+    names = [str(w.message).split()[2] for w in record if str(w.message).startswith("k2jax.sharding")]
+    want = sorted(f.name for f in fallbacks(cfg, dict(mesh.shape), quant=quant))
+    assert "moe_layers.mlp.experts.gate_proj" in want and sorted(names) == want
+
+
 def test_convert_int4_round_trip(converted, thinking):
     import k2jax
     from k2jax.checkpoint import orbax_io as O

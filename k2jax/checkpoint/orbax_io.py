@@ -420,9 +420,10 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     if shardings is None and mesh is not None:
         from k2jax.sharding import param_shardings
 
-        shardings = param_shardings(cfg, mesh)
+        # One warning per fallback param, from the layout the params are held in.
+        shardings = param_shardings(cfg, mesh, warn=quant is None)
         for fmt in ({"fp8"} if fp8 else set()) | ({"int4"} if int4 else set()) | ({quant} - {None}):
-            held_sh[fmt] = _flatten(param_shardings(cfg, mesh, quant=fmt))
+            held_sh[fmt] = _flatten(param_shardings(cfg, mesh, quant=fmt, warn=fmt == quant))
     flat_sh = None if shardings is None else _flatten(shardings)
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 

@@ -191,10 +191,11 @@ class Engine:
         return time.perf_counter() - t0
 
     def _prefill_shapes(self) -> list[tuple[bool, int, int]]:
-        """(first chunk?, rows, chunk) of every prefill program: one slot's chunk at each chunk size, first or
-        later, and a bucket of slots' first chunks at the full chunk (the batch when nothing decodes)."""
-        return ([(first, 1, c) for first in (True, False) for c in self.chunk_sizes]
-                + [(True, b, self.prefill_chunk) for b in self.row_buckets[1:]])
+        """(first chunk?, rows, chunk) of every prefill program: one slot's first chunk at each chunk size, a
+        bucket of slots' first chunks at the full chunk (the batch when nothing decodes), and one slot's later
+        chunk at the full chunk."""
+        return ([(True, 1, c) for c in self.chunk_sizes] + [(True, b, self.prefill_chunk) for b in self.row_buckets[1:]]
+                + [(False, 1, self.prefill_chunk)])
 
     def _put(self, *host):
         """Host inputs of a step, replicated over the mesh (under jax.distributed every process passes the
@@ -275,10 +276,10 @@ class Engine:
                 and not r.finished]
 
     def _prefill_some(self) -> None:
-        """While slots decode, at most prefill_chunk prompt tokens per step, one request's chunk at a time (a
-        long prompt never stalls the decodes by more than one chunk). While none decodes nothing waits on the
-        step, so every prefilling request gets a chunk, in one batch: a burst of requests is prefilled as
-        static `generate` would, not one after another."""
+        """While slots decode, at most prefill_chunk prompt tokens per step, in whole chunks, first come first
+        served (a long prompt stalls the decodes by at most one chunk). While none decodes nothing waits on
+        the step, so every waiting first chunk is prefilled in one batch: a burst of requests is prefilled
+        as static `generate` would, not one after another."""
         if not self.prefilling:
             return
         fresh = [r for r in self.prefilling if r.done_prompt == 0]
@@ -286,21 +287,23 @@ class Engine:
             self._prefill_rows(fresh, self.prefill_chunk)
             return
         budget = self.prefill_chunk
-        while budget > 0 and self.prefilling:
-            r = self.prefilling[0]
-            n = min(len(r.prompt) - r.done_prompt, budget)
-            self._prefill_rows([r], dev.bucket(n, self.chunk_sizes), n)
+        for r in list(self.prefilling):
+            n = min(len(r.prompt) - r.done_prompt, self.prefill_chunk)
+            if n > budget:
+                break
+            # A later chunk always runs at the full size (one program): only a prompt's last one is shorter.
+            self._prefill_rows([r], dev.bucket(n, self.chunk_sizes) if r.done_prompt == 0 else self.prefill_chunk)
             budget -= n
 
-    def _prefill_rows(self, reqs: list[Request], c: int, most: int | None = None) -> None:
-        """One prefill program: the next chunk (at most `most` tokens, c of them computed) of each request;
-        several requests only at their first chunks."""
+    def _prefill_rows(self, reqs: list[Request], c: int) -> None:
+        """One prefill program: the next chunk (at most c tokens, c computed) of each request; several
+        requests only at their first chunks."""
         rows = dev.bucket(len(reqs), self.row_buckets) if len(reqs) > 1 else 1
         slot, start, length = (np.zeros(rows, np.int32) for _ in range(3))  # spare rows: length 0
         chunk = np.zeros((rows, c), np.int32)
         samp = dev.samp_arrays(rows)
         for i, r in enumerate(reqs):
-            n = min(len(r.prompt) - r.done_prompt, c if most is None else most)
+            n = min(len(r.prompt) - r.done_prompt, c)
             part = r.prompt[r.done_prompt:r.done_prompt + n]
             if r.done_prompt == 0:
                 chunk[i, c - n:] = part  # left-padded, as prefill_first takes it
