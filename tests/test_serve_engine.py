@@ -106,3 +106,33 @@ def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows
     decodes = [s for s in shapes if s[0].startswith("_decode")]
     assert decodes[:2] == [("_decode_rows", (2,)), ("_decode", (4,))]
     assert set(decodes) == {("_decode_rows", (2,)), ("_decode", (4,)), ("_decode_rows", (1,))}
+
+
+def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefill():
+    """batch_wait_s: requests 50 ms apart (as over HTTP, where a burst comes in over milliseconds) reach an
+    idle engine that is running; the first step prefills all three together."""
+    import threading
+    import time
+
+    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
+    params = random_params(cfg, jnp.float32, seed=3)
+    model = k2jax.K2Model(cfg, jnp.float32)
+    eng = Engine(model, params, max_batch=4, max_len=48, prefill_chunk=16, batch_wait_s=2.0)
+    shapes = []
+    first = eng._prefill_first
+    eng._prefill_first = lambda *a: shapes.append(a[3].shape) or first(*a)
+    done = threading.Event()
+    got = []
+    thread = threading.Thread(target=eng.run, daemon=True)
+    thread.start()
+    try:
+        for i in range(3):
+            eng.submit(Request([5 + i, 6, 7], SamplingParams(max_tokens=2),
+                               lambda e: got.append(e) or (e.finish_reason and len(got) >= 6 and done.set())))
+            time.sleep(0.05)
+        assert done.wait(120)
+    finally:
+        eng.stop()
+        thread.join(60)
+    assert shapes[0] == (4, 16), shapes  # all three in the first prefill
+    assert sum(e.finish_reason == "length" for e in got) == 3

@@ -80,16 +80,19 @@ _IDS = itertools.count()
 
 class Engine:
     """max_batch slots over one [max_batch, max_len] latent cache. `decode(ids) -> str` detokenizes (for
-    stop strings and streamed text); `mesh` splits the slots over 'data' (params already placed on it)."""
+    stop strings and streamed text); `mesh` splits the slots over 'data' (params already placed on it);
+    `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  decode: Callable[[Sequence[int]], str] = lambda ids: "", kv_cache_dtype: str = "auto",
-                 mesh=None, max_queue: int = 256, metrics: Metrics | None = None, sync=None):
+                 mesh=None, max_queue: int = 256, metrics: Metrics | None = None, sync=None,
+                 batch_wait_s: float = 0.0):
         if max_batch < 1 or max_len < 2 or prefill_chunk < 1:
             raise ValueError(f"need max_batch >= 1, max_len >= 2 and prefill_chunk >= 1, got {max_batch}, "
                              f"{max_len}, {prefill_chunk}")
         self.model, self.params, self.mesh = model, params, mesh
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.batch_wait_s = batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.detok = decode
         self.metrics = metrics or Metrics(max_batch)
@@ -220,11 +223,27 @@ class Engine:
             with self._lock:
                 while not self._stop and not self._busy():
                     self._wake.wait(0.5)
+                self._gather_burst()
                 if self._stop:
                     if self.sync is not None:
                         self.sync.close()
                     return
             self.step()
+
+    def _gather_burst(self) -> None:
+        """Called with the lock held. When the slots are empty, wait up to batch_wait_s for requests arriving
+        with the first (over HTTP a burst comes in over milliseconds), so that the first step prefills them
+        in one batch instead of one now and the rest behind its decodes. Ends when a quarter of the wait
+        passes with no new arrival, or when the requests fill the slots."""
+        if self.batch_wait_s <= 0 or any(self.slots) or self.waiting:
+            return
+        end = time.perf_counter() + self.batch_wait_s
+        seen = len(self._inbox)
+        while not self._stop and seen < self.max_batch and (now := time.perf_counter()) < end:
+            self._wake.wait(min(end - now, self.batch_wait_s / 4))
+            if len(self._inbox) == seen:
+                return
+            seen = len(self._inbox)
 
     def _busy(self) -> bool:
         return bool(self._inbox or self._cancels or self.waiting or self.prefilling or any(self.slots))

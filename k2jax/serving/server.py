@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache length per slot: prompt + completion tokens of one request (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens prefilled per engine step, so running decodes keep going (default 512)")
+    p.add_argument("--batch-wait-ms", type=float, default=20.0,
+                   help="an idle server waits up to this long after a request for others arriving with it, so a "
+                        "burst is prefilled in one batch (a wait also ends when a quarter of it passes with no new "
+                        "arrival; 0 = none; default 20)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     p.add_argument("--mesh", help="shard over a device mesh, e.g. expert=8 or data=2,expert=4 (with --checkpoint "
@@ -120,6 +124,8 @@ def run(args) -> int:
                     ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    if args.batch_wait_ms < 0:
+        raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
     t0 = time.perf_counter()
     model, params, tok, name, mesh = load_model(args)
     D.log0(f"k2jax serve: {name} loaded in {time.perf_counter() - t0:.1f} s (weights {args.quant if args.quant != 'none' else args.dtype})")
@@ -130,7 +136,8 @@ def run(args) -> int:
         sync = StepSync()
     detok = (lambda ids: tok.decode([i for i in ids if i < tok.vocab_size])) if tok else None
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    decode=detok, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh, max_queue=args.max_queue, sync=sync)
+                    decode=detok, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh, max_queue=args.max_queue, sync=sync,
+                    batch_wait_s=args.batch_wait_ms / 1e3)
     D.log0(f"k2jax serve: compiled the engine steps in {engine.warm_up():.1f} s ({args.max_batch} slots x "
            f"{args.max_len} tokens, prefill chunks of up to {engine.prefill_chunk}, cache {args.kv_cache_dtype})")
     if not D.is_main():
