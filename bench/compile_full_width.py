@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from k2jax.config import K2Config  # noqa: E402
 from k2jax.nn.block import DecoderBlock  # noqa: E402
 from k2jax.nn.model import abstract_params  # noqa: E402
-from k2jax.sharding import make_mesh, param_shardings, use_mesh  # noqa: E402
+from k2jax.placement import param_shardings  # noqa: E402
+from k2jax.sharding import make_mesh, use_mesh  # noqa: E402
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "kimi_k2.json"
 

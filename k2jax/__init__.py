@@ -11,7 +11,8 @@ from k2jax.inference.generate import generate  # noqa: E402
 from k2jax.nn.model import (K2Model, abstract_params, init_params, param_axes, split_experts,  # noqa: E402
                             stack_experts)
 from k2jax.nn.quantized import dequantize_params, quantize_params  # noqa: E402
-from k2jax.sharding import make_mesh, param_shardings, use_mesh  # noqa: E402
+from k2jax.placement import param_shardings  # noqa: E402
+from k2jax.sharding import make_mesh, use_mesh  # noqa: E402
 from k2jax.train import default_optimizer, loss_and_metrics, make_train_step  # noqa: E402
 
 __version__ = "0.1.0"

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
 from k2jax.ops.quant import QuantizedWeight, is_quantized
-from k2jax.sharding import Fallback, format_bytes, parse_mesh_spec, param_specs, shard_count
+from k2jax.placement import Fallback, param_specs
+from k2jax.sharding import format_bytes, parse_mesh_spec, shard_count
 
 GiB, GB = 2**30, 10**9
 # Memory per chip / GPU (vendor figures; GiB for TPUs, decimal GB for NVIDIA).

@@ -1,50 +1,49 @@
-"""Where things live: the device mesh, THE logical-axis rules table, param shardings, the mesh context.
+"""Where things live: the device mesh, THE logical-axis rules table, and the one fallback rule.
 
-Mesh axes: `data` and `fsdp` split the batch; `fsdp` also splits the model dimension of the weights (gathered
-before use); `expert` splits the routed experts (the expert-parallel MoE in k2jax.ops.expert_parallel moves tokens
-to them); `tensor` splits attention heads, MLP hidden dims (dense, shared and each routed expert's) and the
+Mesh axes: `data`, `fsdp` and `expert` split the batch (tokens, activations and the latent KV cache:
+data-parallel attention, so no chip holds another chip's rows of the cache); `fsdp` also splits the model
+dimension of the weights (gathered before use); `expert` also splits the routed experts (the expert-parallel
+MoE in k2jax.ops.expert_parallel moves each chip's tokens to the chips holding their experts) and the
+vocabulary; `tensor` splits attention heads, MLP hidden dims (dense, shared and each routed expert's) and the
 vocabulary. All axes are `Auto`: outside the MoE's shard_map the compiler places the collectives.
 
 Any config on any mesh: a dim that its rule's mesh axes do not divide falls back, per dim, to the subset of
 those axes with the largest product that divides it (batch 6 on data=4,fsdp=3 -> fsdp), else to replicated
-(vocab 97 on tensor=2). `logical_to_spec` is the one place this is decided; param shardings, `k2jax.load`'s
-reads, the plan, the KV cache, the train step, the activation constraints and the expert-parallel MoE all
-take their specs from it. A param that falls back is named once in a warning (`param_shardings`).
+(vocab 97 on tensor=2; a batch of 1 on 64 chips). `logical_to_spec` is the one place this is decided; the
+params' placement (k2jax.placement), `k2jax.load`'s reads, the plan, the KV cache, the train step, the
+activation constraints and the expert-parallel MoE all take their specs from it.
+
+This module knows nothing of the model (k2jax.placement places its params): k2jax.nn and k2jax.ops import it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
-import warnings
 
 import flax.linen as nn
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-from k2jax.config import K2Config
-from k2jax.ops.quant import QuantizedWeight, is_quantized, scale_partition
+from jax.sharding import AxisType, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis name (as annotated in k2jax.nn) -> mesh axis (or axes, or None = replicated).
 RULES = (
-    # activations
-    ("batch", ("data", "fsdp")),
+    # activations: the batch over every axis attention does not use for heads (data-parallel attention)
+    ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("act_embed", None),
     # weights
     ("layers", None),  # the scanned layer axis: every device runs every layer
-    ("vocab", "tensor"),
+    ("vocab", ("tensor", "expert")),  # embed_tokens and lm_head: the largest params no MoE axis splits
     ("embed", "fsdp"),
     ("norm", None),
     ("q_lora", None),
     ("kv_lora", None),
     ("heads", "tensor"),
     ("head_dim", None),
-    ("mlp", "tensor"),
+    ("mlp", ("tensor", "expert")),
     ("experts", "expert"),
     ("expert_mlp", "tensor"),
     ("router_experts", None),  # the router scores every expert for every token: [D, E] stays whole
@@ -131,103 +130,6 @@ def constrain(x, names: tuple[str | None, ...]):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape), rules))
 
 
-@dataclasses.dataclass(frozen=True)
-class Fallback:
-    """A param whose rule-given sharding the mesh does not divide: `wanted` (the rules' spec) and `got`
-    (the spec it is placed by); `extra_bytes_per_device`: what each device holds beyond an even split."""
-
-    name: str
-    shape: tuple[int, ...]
-    wanted: P
-    got: P
-    nbytes: int
-    mesh_shape: dict = dataclasses.field(compare=False)
-
-    @property
-    def extra_bytes_per_device(self) -> float:
-        return self.nbytes / self._shards(self.got) - self.nbytes / self._shards(self.wanted)
-
-    def _shards(self, spec):
-        return math.prod(shard_count(e, self.mesh_shape) for e in spec)
-
-    def describe(self) -> str:
-        n = len(self.shape)
-        dims = [f"dim {d} not divisible by {_axes_str(w, self.mesh_shape)} -> "
-                f"{_axes_str(g, self.mesh_shape) or 'replicated'}"
-                for d, w, g in zip(self.shape, _padded(self.wanted, n), _padded(self.got, n)) if w != g]
-        return (f"param {self.name} {list(self.shape)}: {'; '.join(dims)}; "
-                f"+{format_bytes(self.extra_bytes_per_device)} per device vs an even split")
-
-
-def param_specs(cfg: K2Config, mesh_shape: dict[str, int] | None = None, quant: str | None = None):
-    """PartitionSpec pytree of the params of `cfg` (same tree as k2jax.abstract_params(cfg, quant=quant)):
-    with `mesh_shape` ({"expert": 4, "tensor": 2, ...}) the specs each param is placed by (see
-    `dividing_axes`), without it the rules' intent. A quantized param's leaf is a QuantizedWeight of its
-    values' and scales' specs."""
-    from k2jax.nn.model import abstract_params, param_axes
-
-    if mesh_shape is None:
-        return jax.tree_util.tree_map(lambda n: logical_to_spec(tuple(n)), param_axes(cfg, quant), is_leaf=_is_spec)
-    return _placed_specs(param_axes(cfg, quant), abstract_params(cfg, quant=quant), mesh_shape)
-
-
-def fallbacks(cfg: K2Config, mesh_shape: dict[str, int], dtype=None, quant: str | None = None) -> list[Fallback]:
-    """The params of `cfg` that fall back on a mesh of `mesh_shape` (their bytes in `dtype`, default each
-    param's own: float32; a quantized param's: its held values')."""
-    from k2jax.nn.model import abstract_params, param_axes
-
-    shapes = abstract_params(cfg, *(() if dtype is None else (dtype,)), quant=quant)
-    return _fallbacks(param_axes(cfg, quant), shapes, dict(mesh_shape))
-
-
-def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, quant: str | None = None,
-                    warn: bool = True):
-    """NamedSharding pytree of the params of `cfg` on `mesh` (no params are built: serves the 1T config).
-
-    Every config fits every mesh: a dim the mesh does not divide falls back (see `dividing_axes`), with one
-    warning per such param naming it and its cost (in float32; `k2jax plan` gives it in any dtype).
-
-    quant "fp8" | "int4": the tree of abstract_params(cfg, quant=quant). A QuantizedWeight's values fall back
-    as a plain param does; its scales shard along the same mesh axes as the values where a shard holds whole
-    blocks, and are replicated along a dim where it does not (k2jax.ops.quant.scale_partition).
-
-    warn=False: no warnings (for a caller that also asks for another layout of the same params, and warns
-    for the one it holds).
-    """
-    from k2jax.nn.model import abstract_params, param_axes
-
-    mesh_shape = dict(mesh.shape)
-    axes, shapes = param_axes(cfg, quant), abstract_params(cfg, quant=quant)
-    for f in _fallbacks(axes, shapes, mesh_shape) if warn else ():
-        warnings.warn(f"k2jax.sharding: {f.describe()}", stacklevel=2)
-    specs = _placed_specs(axes, shapes, mesh_shape)
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
-
-
-def _placed_specs(axes, shapes, mesh_shape):
-    def one(names, a):
-        if not is_quantized(a):
-            return logical_to_spec(tuple(names), a.shape, mesh_shape)
-        # The held values (INT4: packed, the output dim halved) fall back as a param; the scales follow them.
-        values = logical_to_spec(tuple(names.values), a.values.shape, mesh_shape)
-        return QuantizedWeight(values, P(*scale_partition(a, values, mesh_shape)), a.fmt, a.in_ndim)
-
-    return jax.tree_util.tree_map(one, axes, shapes, is_leaf=_is_axes_leaf)
-
-
-def _fallbacks(axes, shapes, mesh_shape) -> list[Fallback]:
-    out = []
-    for (path, names), a in zip(jax.tree_util.tree_leaves_with_path(axes, is_leaf=_is_axes_leaf),
-                                jax.tree_util.tree_leaves(shapes, is_leaf=is_quantized)):
-        if is_quantized(a):  # judged by its held values; the scales' placement follows from theirs
-            names, a = names.values, a.values
-        wanted, got = logical_to_spec(tuple(names)), logical_to_spec(tuple(names), a.shape, mesh_shape)
-        if _effective(wanted, a.ndim, mesh_shape) != _effective(got, a.ndim, mesh_shape):
-            name = ".".join(str(k.key) for k in path)
-            out.append(Fallback(name, tuple(a.shape), wanted, got, a.size * a.dtype.itemsize, mesh_shape))
-    return out
-
-
 def shard_count(entry, mesh_shape: dict[str, int]) -> int:
     """How many pieces one PartitionSpec entry (None, an axis, or a tuple of axes) cuts a dimension into."""
     if entry is None:
@@ -259,24 +161,38 @@ def use_mesh(mesh: jax.sharding.Mesh):
         yield mesh
 
 
-def _is_spec(x):
-    return isinstance(x, P)
 
 
-def _is_axes_leaf(x):
-    return isinstance(x, (P, QuantizedWeight))
+def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
+    """fn(shard, *args) -> tuple of arrays, run once per data-parallel shard under shard_map when the current
+    mesh splits `axes` (> 1 shard): each arg split along its axis in `dims` (None = whole), the outputs
+    joined along `out_dims`, `shard` = the shard's index (row-major over `axes`, as NamedSharding splits a
+    dim). Without such a mesh: fn(0, *args) on the whole arrays.
+
+    For state that lives per shard (the KV cache's pages, per-slot sampling state): each shard's rows use
+    only its own part, so nothing is gathered across chips."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in axes if mesh.shape and mesh.shape.get(a, 1) > 1)
+    if not axes:
+        return fn(0, *args)
+
+    def spec(d):
+        return P() if d is None else P(*([None] * d + [axes]))
+
+    def sharded(*xs):
+        idx = 0
+        for a in axes:
+            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+        return fn(idx, *xs)
+
+    return jax.shard_map(sharded, mesh=mesh, in_specs=tuple(spec(d) for d in dims),
+                         out_specs=tuple(spec(d) for d in out_dims), check_vma=False)(*args)
 
 
-def _padded(spec, n):
-    return tuple(spec) + (None,) * (n - len(spec))
-
-
-def _effective(spec, ndim, mesh_shape):
-    """The spec with size-1 axes dropped: two specs that cut every dim alike compare equal."""
-    return tuple(tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh_shape.get(a, 1) > 1)
-                 for e in _padded(spec, ndim))
-
-
-def _axes_str(entry, mesh_shape) -> str:
-    axes = (entry,) if isinstance(entry, str) else entry or ()
-    return ",".join(f"{a}={mesh_shape.get(a, 1)}" for a in axes)
+def split_axes(axes: tuple[str, ...], rows: int) -> tuple[str, ...]:
+    """`axes` (a per-shard state's axes) if the current mesh splits them and they divide `rows` (the rows of
+    a step then lie in shard order); () otherwise: the step's rows are not split like the state."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in axes if mesh.shape and mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    return axes if n > 1 and rows % n == 0 else ()

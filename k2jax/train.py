@@ -234,7 +234,7 @@ def make_train_step(model: K2Model, optimizer: optax.GradientTransformation | No
 
     if mesh is None:
         return TrainStep(jax.jit(step, donate_argnums=(0, 1)), optimizer)
-    from k2jax.sharding import param_shardings
+    from k2jax.placement import param_shardings
 
     param_sh = param_shardings(cfg, mesh, quant=quant)
     opt_sh = opt_state_shardings(optimizer, trainable(abstract_params(cfg, model.param_dtype, quant=quant)),

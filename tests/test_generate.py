@@ -147,7 +147,8 @@ def test_stop_tokens_and_sampling(model_params):
 
 
 def test_sharded_generation_equals_single_device(model_params):
-    from k2jax.sharding import make_mesh, param_shardings
+    from k2jax.placement import param_shardings
+    from k2jax.sharding import make_mesh
 
     model, params = model_params
     mesh = make_mesh("expert=4,data=2")

@@ -318,13 +318,13 @@ def test_quantized_load_warns_once_per_fallback_param(converted, dtype, quant):
     import warnings
 
     import k2jax
-    from k2jax.sharding import fallbacks
+    from k2jax.placement import fallbacks
 
     mesh = k2jax.make_mesh("expert=8")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         cfg, _ = k2jax.load(converted[dtype], quant=quant, mesh=mesh)
-    names = [str(w.message).split()[2] for w in record if str(w.message).startswith("k2jax.sharding")]
+    names = [str(w.message).split()[2] for w in record if str(w.message).startswith("k2jax.placement")]
     want = sorted(f.name for f in fallbacks(cfg, dict(mesh.shape), quant=quant))
     assert "moe_layers.mlp.experts.gate_proj" in want and sorted(names) == want
 

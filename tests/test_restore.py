@@ -20,7 +20,8 @@ import k2jax
 from k2jax import K2Model
 from k2jax.checkpoint.convert import main as convert_main
 from k2jax.checkpoint.orbax_io import stored_array
-from k2jax.sharding import make_mesh, param_shardings, use_mesh
+from k2jax.placement import param_shardings
+from k2jax.sharding import make_mesh, use_mesh
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS
 

@@ -12,7 +12,8 @@ from k2jax.cli import main as cli_main
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.moe import moe_dense
 from k2jax.plan import plan
-from k2jax.sharding import RULES, make_mesh, param_shardings, use_mesh
+from k2jax.placement import param_shardings
+from k2jax.sharding import RULES, make_mesh, use_mesh
 from tests.conftest import CONFIGS
 from tests.test_moe import experts, routing
 
@@ -58,7 +59,7 @@ def test_param_shardings_follow_the_rules_table():
     # 6 experts on expert=4: the experts dim falls back to replicated (one warning per param, not per layer)
     with pytest.warns(UserWarning) as record:
         odd = param_shardings(TINY.replace(n_routed_experts=6, n_group=1), make_mesh("expert=4,tensor=2"))
-    named = sorted(str(w.message).split()[2] for w in record if "k2jax.sharding" in str(w.message))
+    named = sorted(str(w.message).split()[2] for w in record if "k2jax.placement" in str(w.message))
     assert named == [f"moe_layers.mlp.experts.{n}" for n in ("down_proj", "gate_proj", "up_proj")]
     assert odd["moe_layers"]["mlp"]["experts"]["gate_proj"].spec == P(None, None, "fsdp", "tensor")
 

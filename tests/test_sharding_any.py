@@ -15,7 +15,8 @@ import k2jax
 from k2jax import K2Config, K2Model, generate, make_train_step
 from k2jax.checkpoint.convert import main as convert_main
 from k2jax.plan import format_plan, plan
-from k2jax.sharding import dividing_axes, fallbacks, logical_to_spec, make_mesh, param_shardings, use_mesh
+from k2jax.placement import fallbacks, param_shardings
+from k2jax.sharding import dividing_axes, logical_to_spec, make_mesh, use_mesh
 from k2jax.testing import random_params, write_release_checkpoint
 from tests.conftest import CONFIGS
 
@@ -102,11 +103,11 @@ def test_one_warning_per_param_naming_it():
     cfg = CONFIGS_BY_NAME["odd97"]
     with pytest.warns(UserWarning) as record:
         param_shardings(cfg, make_mesh("expert=4,tensor=2"))
-    lines = [str(w.message) for w in record if str(w.message).startswith("k2jax.sharding")]
+    lines = [str(w.message) for w in record if str(w.message).startswith("k2jax.placement")]
     names = [ln.split()[2] for ln in lines]
     assert sorted(names) == sorted(f.name for f in fallbacks(cfg, dict(make_mesh("expert=4,tensor=2").shape)))
     assert len(names) == len(set(names)) and all("\n" not in ln for ln in lines)
-    assert any(ln.startswith("k2jax.sharding: param embed_tokens [97, 96]: dim 97 not divisible by tensor=2 "
+    assert any(ln.startswith("k2jax.placement: param embed_tokens [97, 96]: dim 97 not divisible by tensor=2 "
                              "-> replicated; +") for ln in lines), lines
 
 

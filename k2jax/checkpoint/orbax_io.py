@@ -418,7 +418,7 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     # scales as the tree of its stored format places them (scales with their blocks), whatever it becomes.
     held_sh = {}
     if shardings is None and mesh is not None:
-        from k2jax.sharding import param_shardings
+        from k2jax.placement import param_shardings
 
         # One warning per fallback param, from the layout the params are held in.
         shardings = param_shardings(cfg, mesh, warn=quant is None)
@@ -530,7 +530,7 @@ def _scale_sharding(sharding, stack: int):
 
 def _float8_shardings(cfg, mesh, target, fp8):
     """The float8 tree's shardings: each weight as its param, each scale as `_scale_sharding`."""
-    from k2jax.sharding import param_shardings
+    from k2jax.placement import param_shardings
 
     flat = _flatten(param_shardings(cfg, mesh))
     scales = {f["scale"]: (w, len(_flatten(target)[f["scale"]].shape) - 2) for w, f in fp8.items()}

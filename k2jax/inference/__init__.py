@@ -1,10 +1,8 @@
-"""Inference: the latent KV cache and batched generation (the attention kernels are in k2jax.ops.attention).
+"""Inference: the paged latent KV cache (k2jax.inference.cache), the per-row sampler
+(k2jax.inference.sampling), the jitted step that runs the model over the cache and samples
+(k2jax.inference.runner), and batched generation (k2jax.inference.generate, exported as k2jax.generate; not
+imported here, so that importing the cache helpers does not pull in the model)."""
 
-`generate` lives in k2jax.inference.generate (exported as k2jax.generate); it is not imported here, so that
-importing the cache helpers does not pull in the model. k2jax.inference.sampling is the per-row sampler
-(OpenAI / vLLM settings, all traced) that the jitted steps call.
-"""
+from k2jax.inference.cache import cache_bytes, init_cache, kv_bytes_per_token
 
-from k2jax.inference.cache import cache_bytes, cache_shapes, init_cache
-
-__all__ = ["cache_bytes", "cache_shapes", "init_cache"]
+__all__ = ["cache_bytes", "init_cache", "kv_bytes_per_token"]

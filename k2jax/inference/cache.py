@@ -1,12 +1,18 @@
-"""The latent KV cache: per layer only the normalised latent ckv [B, S, R] and the rotated shared rotary key
-k_pe [B, S, P] (K2_REFERENCE.md §3: 576 values per token per layer for Kimi K2, nothing per head).
+"""Making the paged latent KV cache (k2jax.ops.paged.PagedCache): pools, page tables, their sizes and
+shardings.
 
-Layout: {group: {"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}} for group in dense_layers / moe_layers, each
-stacked on a leading layer axis like its params (block l reads [l]). Leaves are in the params' dtype. With a
-mesh the batch axis is split over 'data'.
+A pool {group: [L, A, Y, R + P]} holds A pages of Y tokens for each layer group (dense_layers, moe_layers);
+page 0 of each data-parallel shard is its trash page (k2jax.ops.paged). `init_cache` gives each row its own
+contiguous run of pages, for a batch of known maximum length (k2jax.generate, tests); the serving engine
+allocates pages as rows grow (k2jax.serving.pages).
+
+KV_DTYPES: "bfloat16", "float32", or "float8" (e4m3 values with a float32 scale per token and part: half
+the bytes of bf16 plus 8 bytes per token and layer).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,56 +20,101 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.config import K2Config
-from k2jax.sharding import logical_to_spec
+from k2jax.ops.paged import PagedCache, batch_axes
+
+KV_DTYPES = ("bfloat16", "float32", "float8")
+DEFAULT_PAGE_SIZE = 64
 
 
-def _groups(cfg: K2Config):
+def groups(cfg: K2Config) -> list[tuple[str, int]]:
+    """(layer group, its layers) of the model, in order."""
     return [(name, n) for name, n in (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers))
             if n]
 
 
-def cache_shapes(cfg: K2Config, batch: int, max_len: int, dtype=jnp.bfloat16):
-    """The cache tree as jax.ShapeDtypeStruct leaves (no memory allocated)."""
-    dt = jnp.dtype(dtype)
-    return {name: {"ckv": jax.ShapeDtypeStruct((n, batch, max_len, cfg.kv_lora_rank), dt),
-                   "k_pe": jax.ShapeDtypeStruct((n, batch, max_len, cfg.qk_rope_head_dim), dt)}
-            for name, n in _groups(cfg)}
+def storage_dtype(kv_dtype) -> jnp.dtype:
+    """The pool's element dtype for a KV_DTYPES name (or a dtype)."""
+    return jnp.dtype(jnp.float8_e4m3fn if str(kv_dtype) == "float8" else kv_dtype)
 
 
-def init_cache(cfg: K2Config, batch: int, max_len: int, dtype=jnp.bfloat16):
-    """An all-zero cache for `batch` sequences of up to `max_len` tokens."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, max_len, dtype))
+def kv_bytes_per_token(cfg: K2Config, kv_dtype="bfloat16") -> int:
+    """Bytes one token holds in the cache over all layers: layers x (kv_lora_rank + qk_rope_head_dim) values,
+    plus two float32 scales per layer for float8. The one place KV bytes are counted (k2jax.plan too)."""
+    dt = storage_dtype(kv_dtype)
+    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dt.itemsize
+    if dt == jnp.float8_e4m3fn:
+        per_layer += 2 * 4
+    return cfg.num_hidden_layers * per_layer
 
 
-def cache_bytes(cfg: K2Config, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:
-    """Bytes of the whole cache: layers × batch × max_len × (kv_lora_rank + qk_rope_head_dim) × itemsize."""
-    return sum(int(np.prod(s.shape)) * s.dtype.itemsize
-               for s in jax.tree.leaves(cache_shapes(cfg, batch, max_len, dtype)))
+def pool_shapes(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16"):
+    """(pages, scales) as jax.ShapeDtypeStruct trees: {group: [L, A, Y, R + P]} and, for float8,
+    {group: [L, A, Y, 2]} float32 (else {})."""
+    dt = storage_dtype(kv_dtype)
+    C = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    pages = {g: jax.ShapeDtypeStruct((n, num_pages, page_size, C), dt) for g, n in groups(cfg)}
+    scales = ({g: jax.ShapeDtypeStruct((n, num_pages, page_size, 2), jnp.float32) for g, n in groups(cfg)}
+              if dt == jnp.float8_e4m3fn else {})
+    return pages, scales
 
 
-def pad_to_cache(entries, max_len: int):
-    """Prefill's latents {group: {"ckv": [L, B, T, R], ...}} -> a cache of max_len slots (T first ones filled)."""
-    def pad(x):
-        if x.shape[2] > max_len:
-            raise ValueError(f"prefill of {x.shape[2]} tokens does not fit a cache of {max_len} slots")
-        return jnp.pad(x, [(0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)])
-    return jax.tree.map(pad, entries)
+def pool_sharding(mesh, rows: int):
+    """The pool's sharding on `mesh` for batches of `rows` rows: pages split like the batch (its mesh axes,
+    k2jax.ops.paged.batch_axes), the rest whole. None without a mesh."""
+    if mesh is None:
+        return None
+    axes = batch_axes(rows, mesh)
+    return NamedSharding(mesh, PartitionSpec(None, axes or None))
 
 
-def cache_sharding(mesh: jax.sharding.Mesh):
-    """Sharding of every cache leaf [L, B, S, *]: the batch split like the activations' batch (k2jax.sharding
-    RULES: over 'data' and 'fsdp'), the rest replicated."""
-    spec = logical_to_spec(("layers", "batch", None, None))
-    return NamedSharding(mesh, PartitionSpec(*(_present(e, mesh) for e in spec)))
+def rows_sharding(mesh, rows: int):
+    """The sharding of per-row arrays ([B, ...]: tokens, page tables, lengths) on `mesh`. None without one."""
+    if mesh is None:
+        return None
+    axes = batch_axes(rows, mesh)
+    return NamedSharding(mesh, PartitionSpec(axes or None))
 
 
-def batch_shards(mesh: jax.sharding.Mesh) -> int:
-    """How many pieces the cache's batch is cut into on `mesh` (the batch must be a multiple)."""
-    entry = cache_sharding(mesh).spec[1]
-    return int(np.prod([mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ())]))
+def shard_count(mesh, rows: int) -> int:
+    """How many data-parallel shards a batch of `rows` rows (and its pool) is split into."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes(rows, mesh))
 
 
-def _present(entry, mesh):
-    """A PartitionSpec entry restricted to the mesh's axes (a mesh may lack some of k2jax's axis names)."""
-    axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in mesh.axis_names)
-    return axes or None
+def empty_pool(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16", mesh=None, rows: int = 1):
+    """An all-zero pool of `num_pages` pages (a multiple of the shard count), placed for batches of `rows`
+    rows on `mesh` -> (pages, scales)."""
+    shards = shard_count(mesh, rows)
+    if num_pages % shards:
+        raise ValueError(f"a pool of {num_pages} pages does not split over {shards} data-parallel shards")
+    sh = pool_sharding(mesh, rows)
+    pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype)
+
+    def zeros(s):
+        return jnp.zeros(s.shape, s.dtype, device=sh)
+
+    return jax.tree.map(zeros, pages), jax.tree.map(zeros, scales)
+
+
+def init_cache(cfg: K2Config, batch: int, max_len: int, kv_dtype="bfloat16", page_size: int = DEFAULT_PAGE_SIZE,
+               mesh=None) -> PagedCache:
+    """An empty cache for `batch` rows of up to `max_len` tokens each, every row with its own contiguous
+    pages (in its shard's part of the pool on `mesh`: rows and pages split over the batch's mesh axes)."""
+    W = -(-max_len // page_size)
+    shards = shard_count(mesh, batch)
+    per_shard = batch // shards
+    local = 1 + per_shard * W  # pages per shard: its trash page, then its rows' runs
+    pages, scales = empty_pool(cfg, shards * local, page_size, kv_dtype, mesh, batch)
+    row = np.arange(batch)[:, None]
+    table = ((row // per_shard) * local + 1 + (row % per_shard) * W + np.arange(W)[None, :]).astype(np.int32)
+    return PagedCache(pages, scales, _put(table, mesh, batch), _put(np.zeros(batch, np.int32), mesh, batch),
+                      cfg.qk_rope_head_dim, () if mesh is None else batch_axes(batch, mesh))
+
+
+def _put(x, mesh, rows):
+    sh = rows_sharding(mesh, rows)
+    return jnp.asarray(x) if sh is None else jax.device_put(x, sh)
+
+
+def cache_bytes(cfg: K2Config, batch: int, max_len: int, kv_dtype="bfloat16") -> int:
+    """Bytes of the cache of `batch` rows of `max_len` tokens (pages rounded up, trash pages not counted)."""
+    return batch * max_len * kv_bytes_per_token(cfg, kv_dtype)

@@ -1,28 +1,30 @@
-"""Batched generation with the latent KV cache: one jitted prefill, then one jitted decode step per token.
+"""Batched generation: a loop over the runtime's steps (k2jax.inference.runner), the same jitted steps and
+paged cache the server runs.
 
-Prompts are left-padded to a length bucket (a power of two), so every sequence's next token is written at
-the same cache slot and the shapes depend only on (batch, bucket, max_new_tokens): no compilation per token
-or per prompt length within a bucket. Padding slots are masked as keys, so a prompt's output does not depend
-on the others in its batch. The decode step's state (cache included) is donated: updated in place.
+Each row gets its own contiguous pages for max_len tokens. The prompts are prefilled in one step (right
+padded to a bucket of their longest, T = the bucket: no cache to read yet), then one token per row per step,
+each step reading the pages its rows hold so far (a power-of-two bucket of pages: a few programs, each
+compiled once per set-up). The loop stays on the device: the host fetches tokens only to stream them
+(`on_token`) or, every 8 steps, to see whether every row has stopped.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from k2jax.inference.cache import batch_shards, cache_sharding, pad_to_cache
+from k2jax.inference import sampling
+from k2jax.inference.cache import DEFAULT_PAGE_SIZE, shard_count
+from k2jax.inference.runner import Runner, StepShape, host_batch
 from k2jax.nn.model import K2Model
-from k2jax.sharding import use_mesh
 
 MIN_BUCKET = 16
 PAD_ID = 0  # written after a sequence's end; `lengths` says where each sequence ends
+_RUNNERS: dict = {}  # set-up -> Runner (its compiled steps are reused by later calls)
 
 
 def bucket_length(n: int) -> int:
@@ -30,165 +32,111 @@ def bucket_length(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
-def sample(logits_BV, key, temperature=0.0, top_k=0, top_p=1.0):
-    """Next token ids [B] int32 from float32 logits [B, V]: argmax when temperature == 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k ids (0 = all) and, among those, to the smallest set
-    holding top_p of the mass (1 = all). The settings may be traced values: changing them recompiles nothing."""
-    draw = lambda: jax.random.categorical(key, filter_logits(logits_BV, temperature, top_k, top_p), axis=-1)  # noqa: E731
-    greedy = lambda: jnp.argmax(logits_BV, axis=-1)  # noqa: E731
-    return jax.lax.cond(temperature == 0, greedy, draw).astype(jnp.int32)
-
-
-def filter_logits(logits_BV, temperature, top_k=0, top_p=1.0):
-    """float32 logits [B, V] / temperature, with -inf for the ids that top_k (0 = none cut) and top_p (1 = none
-    cut) exclude: what `sample` draws from."""
-    x_BV = logits_BV.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-    V = x_BV.shape[-1]
-    sorted_BV = -jnp.sort(-x_BV, axis=-1)
-    in_top_k_V = jnp.arange(V) < jnp.where(top_k > 0, top_k, V)
-    probs_BV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BV, -jnp.inf), axis=-1)
-    # Keep a token while the mass before it is below top_p (the most likely one always stays). top_p = 1
-    # keeps all explicitly: in float32 the running mass reaches 1.0 before the tail does and would cut it.
-    keep_BV = in_top_k_V & ((jnp.cumsum(probs_BV, axis=-1) - probs_BV < top_p) | (top_p >= 1.0))
-    cutoff_B1 = jnp.min(jnp.where(keep_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x_BV < cutoff_B1, -jnp.inf, x_BV)
-
-
-def _steps(model: K2Model, max_len: int, max_new_tokens: int, mesh):
-    """The prefill and decode-step functions (not yet jitted) for one static set-up.
-
-    `opts` = {"temperature", "top_k", "top_p", "stop" [n] (-1 = none)}: runtime values, carried in the state.
-    """
-
-    def pick(logits_BV, key, step, opts):
-        return sample(logits_BV, jax.random.fold_in(key, step), opts["temperature"], opts["top_k"], opts["top_p"])
-
-    def prefill(params, tokens_BT, start_B, seed, opts):
-        B, T = tokens_BT.shape
-        key = jax.random.PRNGKey(seed)
-        positions_BT = jnp.maximum(jnp.arange(T)[None, :] - start_B[:, None], 0)
-        kv_valid_BT = jnp.arange(T)[None, :] >= start_B[:, None]
-        logits_BV, entries = model.apply({"params": params}, tokens_BT, positions_BT, kv_valid_BT,
-                                         method=K2Model.prefill)
-        cache = pad_to_cache(entries, max_len)
-        if mesh is not None:
-            cache = jax.lax.with_sharding_constraint(cache, cache_sharding(mesh))
-        token_B = pick(logits_BV, key, 0, opts)
-        return dict(cache=cache, token=token_B, pos=T - start_B, start=start_B, slot=jnp.int32(T),
-                    step=jnp.int32(1), done=jnp.isin(token_B, opts["stop"]), length=jnp.ones(B, jnp.int32),
-                    key=key, opts=opts,
-                    out=jnp.full((B, max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(token_B))
-
-    def decode(params, st):
-        kv_valid_BS = jnp.arange(max_len)[None, :] >= st["start"][:, None]
-        logits_B1V, cache = model.apply({"params": params}, st["token"][:, None], st["pos"][:, None],
-                                        kv_valid_BS, st["cache"], st["slot"], method=K2Model.decode)
-        token_B = jnp.where(st["done"], PAD_ID, pick(logits_B1V[:, 0], st["key"], st["step"], st["opts"]))
-        return dict(st, cache=cache, token=token_B, pos=st["pos"] + 1, slot=st["slot"] + 1, step=st["step"] + 1,
-                    out=jax.lax.dynamic_update_slice_in_dim(st["out"], token_B[:, None], st["step"], axis=1),
-                    length=st["length"] + (~st["done"]).astype(jnp.int32),
-                    done=st["done"] | jnp.isin(token_B, st["opts"]["stop"]))
-
-    return prefill, decode
-
-
-_COMPILED: dict = {}  # static set-up and argument layout -> compiled executable
-
-
-def _compiled(kind: str, fn, static_key, args, donate=(), out_shardings=None):
-    """Compile `fn` for these arguments once; later calls with the same layout reuse the executable."""
-    layout = tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(args))
-    key = (kind, static_key, jax.tree.structure(args), layout)
-    if key not in _COMPILED:
-        jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out_shardings)
-        _COMPILED[key] = jitted.lower(*args).compile()
-    return _COMPILED[key]
-
-
 def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              stop_tokens: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None, max_len: int | None = None,
+             kv_cache_dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              on_token: Callable[[np.ndarray, np.ndarray], None] | None = None, timings: dict | None = None):
     """Continue each prompt (a list of token ids; lengths may differ) by up to max_new_tokens tokens.
 
-    Greedy when temperature == 0 (deterministic); otherwise sampling, reproducible from `seed`. A sequence
-    stops after emitting one of `stop_tokens` (kept in its output) or after max_new_tokens. `max_len` is the
-    cache length in tokens (default: the prompt bucket + max_new_tokens). With `mesh`, the batch (cache
-    included) is split over its 'data' (and 'fsdp') axes and the model runs under k2jax.sharding.use_mesh;
-    params already on the mesh keep their shardings (see k2jax.sharding.param_shardings), others are
-    replicated. Without a mesh, params in the split experts layout (k2jax.split_experts) run faster on
-    XLA:CPU: `k2jax generate` loads them so. `on_token(tokens [B], active [B])` is called as each token is
-    produced (streaming); `timings`, if a dict, receives compile_s, prefill_s, decode_s and decode_steps. Under jax.distributed
-    (a mesh over several processes' devices) every process calls it with the same arguments and gets the
-    whole result.
+    Greedy when temperature == 0 (deterministic); otherwise sampling, reproducible from `seed` (row b draws
+    with seed + b). A sequence stops after emitting one of `stop_tokens` (kept in its output) or after
+    max_new_tokens. `max_len`: tokens of cache per row (default: the prompt bucket + max_new_tokens).
+    kv_cache_dtype: "bfloat16", "float32" or "float8" (default: the params' dtype). With `mesh`, the rows
+    and their pages split over the batch's mesh axes where they divide the batch (else replicated) and the
+    model runs under k2jax.sharding.use_mesh; params already on the mesh keep their shardings
+    (k2jax.param_shardings), others are replicated. `on_token(tokens [B], active [B])` is called as each
+    token is produced (streaming); `timings`, if a dict, receives compile_s, prefill_s, decode_s and
+    decode_steps. Under jax.distributed every process calls it with the same arguments and gets the result.
 
     Returns (tokens int32 [B, max_new_tokens], padded with PAD_ID after each end; lengths int32 [B]), numpy.
     Raises ValueError for an empty batch or prompt, an id outside the vocabulary, a prompt that does not fit
     the cache, or a bad sampling setting.
     """
     cfg = model.cfg
-    stop_tokens = tuple(stop_tokens)
+    stop_tokens = tuple(int(t) for t in stop_tokens)
     _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p, max_len, stop_tokens)
-    longest = max(len(p) for p in prompts)
-    if max_len is None:
-        T = bucket_length(longest)
-        max_len = T + max_new_tokens
-    else:
-        if longest + max_new_tokens - 1 > max_len:
-            raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens does not fit the cache "
-                             f"of max_len={max_len} tokens")
-        T = min(bucket_length(longest), max_len - max_new_tokens + 1)
-
     B = len(prompts)
-    if mesh is not None:
-        shards = batch_shards(mesh)
-        B = -(-B // shards) * shards  # filler rows (one token each) make the batch divisible
-    tokens_BT = np.zeros((B, T), np.int32)
-    start_B = np.full(B, T - 1, np.int32)
-    for b, p in enumerate(prompts):
-        tokens_BT[b, T - len(p):] = p
-        start_B[b] = T - len(p)
-    n_stop = -(-max(len(stop_tokens), 1) // 8) * 8  # a multiple of 8 stop slots: few distinct shapes
-    opts = {"temperature": np.float32(temperature), "top_k": np.int32(top_k or 0),
-            "top_p": np.float32(1.0 if top_p is None else top_p),
-            "stop": np.pad(np.asarray(stop_tokens, np.int32), (0, n_stop - len(stop_tokens)), constant_values=-1)}
-    args = (tokens_BT, start_B, np.uint32(seed % 2**32), opts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    T = bucket_length(int(lens.max()))
+    if max_len is None:
+        max_len = T + max_new_tokens
+    elif lens.max() + max_new_tokens - 1 > max_len:
+        raise ValueError(f"prompt of {lens.max()} tokens + {max_new_tokens} new tokens does not fit the cache "
+                         f"of max_len={max_len} tokens")
+    W = -(-max(max_len, T) // page_size)
     if mesh is not None:
         params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
-        batch = NamedSharding(mesh, PartitionSpec(cache_sharding(mesh).spec[1]))
-        rep = NamedSharding(mesh, PartitionSpec())
-        args = jax.device_put(args, (batch, batch, rep, rep))
+    shards = shard_count(mesh, B)
+    per = B // shards
+    key = (model, B, W, page_size, kv_cache_dtype, mesh)
+    runner = _RUNNERS.get(key)
+    if runner is None:  # each row: its shard's trash page, then W pages of its own
+        runner = _RUNNERS[key] = Runner(model, params, slots=B, num_pages=shards * (1 + per * W),
+                                        page_size=page_size, kv_dtype=kv_cache_dtype, mesh=mesh)
+    runner.params = params
+    row = np.arange(B)[:, None]
+    table = ((row // per) * (1 + per * W) + 1 + (row % per) * W + np.arange(W)[None, :]).astype(np.int32)
 
-    static = (model, max_len, max_new_tokens, mesh)
-    prefill_fn, decode_fn = _steps(*static)
-    n = len(prompts)
-    with use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        t0 = time.perf_counter()
-        prefill = _compiled("prefill", prefill_fn, static, (params, *args))
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(prefill(params, *args))
-        t2 = time.perf_counter()
-        # The step's state comes back laid out as it went in: one executable serves every step.
-        decode = _compiled("decode", decode_fn, static, (params, state), donate=(1,),
-                           out_shardings=jax.tree.map(lambda x: x.sharding, state))
-        t3 = time.perf_counter()
+    prefill = StepShape(B, T, 0, W)
+    batch = host_batch(prefill, cfg.vocab_size)
+    for b, p in enumerate(prompts):
+        batch["tokens"][b, :len(p)] = p
+    batch |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
+              "reset": np.ones(B, bool)}
+    for b in range(B):
+        sampling.set_row(batch["samp"], b, temperature=temperature, top_k=top_k or 0,
+                         top_p=1.0 if top_p is None else top_p, seed=(seed + b) % 2**32)
+    stop = np.asarray(stop_tokens or (-1,), np.int32)
+    shapes = [prefill] + [StepShape(B, 1, w, W) for w in _read_buckets(W)]
+    t0 = time.perf_counter()
+    runner.compile(shapes)
+    t1 = time.perf_counter()
+    out = runner.step(prefill, batch)
+    tokens = [out["tokens"]]
+    done = jnp.isin(out["tokens"], stop)
+    if on_token is not None or max_new_tokens == 1:
+        jax.block_until_ready(out["tokens"])
+    t2 = time.perf_counter()
     if on_token is not None:
-        on_token(_host(state["token"])[:n], np.ones(n, bool))
-    steps = 0
+        on_token(_host(out["tokens"]), np.ones(B, bool))
+    steps, active = 0, np.ones(B, bool)
+    decode = {k: v for k, v in batch.items() if k not in ("tokens", "table")} | {"table": table}
+    decode |= {"count": np.ones(B, np.int32), "reset": np.zeros(B, bool)}
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
-            active = ~_host(state["done"])[:n]
+            active = ~_host(done)
             if not active.any():
                 break
-        state = decode(params, state)
+        held = int(lens.max()) + step - 1  # tokens each row holds before this step (the longest row)
+        shape = StepShape(B, 1, next(w for w in _read_buckets(W) if w * page_size >= held), W)
+        decode["lengths"] = lens + step - 1
+        decode["samp"] = dict(decode["samp"], step=np.full(B, step, np.int32))
+        decode["tokens"] = out["tokens"][:, None]
+        out = runner.step(shape, decode)
+        token = jnp.where(done, PAD_ID, out["tokens"])
+        tokens.append(token)
+        done = done | jnp.isin(token, stop)
         steps += 1
         if on_token is not None:
-            on_token(_host(state["token"])[:n], active)
-    out, lengths = _host(state["out"])[:n], _host(state["length"])[:n]
+            on_token(_host(token), active)
+    tokens_BN = _host(jnp.stack(tokens, 1))
+    lengths = np.full(B, tokens_BN.shape[1], np.int32)
+    for b in range(B):
+        hit = np.flatnonzero(np.isin(tokens_BN[b], stop_tokens)) if stop_tokens else []
+        if len(hit):
+            lengths[b] = hit[0] + 1
+            tokens_BN[b, hit[0] + 1:] = PAD_ID
+    result = np.full((B, max_new_tokens), PAD_ID, np.int32)
+    result[:, :tokens_BN.shape[1]] = tokens_BN
     if timings is not None:
-        timings.update(compile_s=(t1 - t0) + (t3 - t2), prefill_s=t2 - t1, decode_s=time.perf_counter() - t3,
-                       decode_steps=steps)
-    return out, lengths
+        timings.update(compile_s=t1 - t0, prefill_s=t2 - t1, decode_s=time.perf_counter() - t2, decode_steps=steps)
+    return result, lengths
+
+
+def _read_buckets(W: int) -> list[int]:
+    """Pages read per row in a decode step: powers of two up to W, and W."""
+    return sorted({min(W, 1 << i) for i in range(W.bit_length() + 1)})
 
 
 def _host(x) -> np.ndarray:
@@ -202,6 +150,8 @@ def _host(x) -> np.ndarray:
 
 
 def _on_mesh(x, mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
     if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh:
         return x
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
@@ -224,7 +174,7 @@ def _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p, max_len, sto
     if max_len is not None and max(len(p) for p in prompts) > max_len:
         raise ValueError(f"prompt of {max(len(p) for p in prompts)} tokens is longer than the cache "
                          f"(max_len={max_len})")
-    if any(not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size for t in stop_tokens):
+    if any(not 0 <= t < cfg.vocab_size for t in stop_tokens):
         raise ValueError(f"stop_tokens must be token ids in [0, {cfg.vocab_size}), got {list(stop_tokens)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")

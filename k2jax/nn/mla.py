@@ -7,40 +7,33 @@ C = R + P (kv_a output), K nope head dim, P rope head dim, H = K + P (q/k head d
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from k2jax.config import K2Config
 from k2jax.nn.common import param
-from k2jax.ops.attention import attend_absorbed, attend_blocked, attend_expanded
+from k2jax.ops.attention import attend
 from k2jax.ops.matmul import einsum
 from k2jax.ops.quant import materialize
 from k2jax.nn.norm import RMSNorm
 from k2jax.nn.rope import apply_rope
 
-MODES = ("full", "causal", "prefill", "decode", "decode_expanded")
-
 
 class MLA(nn.Module):
-    """x [B, T, D], positions [B, T] -> [B, T, D]; what else goes in and out depends on `mode`:
+    """x [B, T, D], positions [B, T], kv_valid [B, T] (True = a real token; causal implied), context ->
+    (out [B, T, D], the T tokens' latents {"ckv": [B, T, R], "k_pe": [B, T, P]} for the cache).
 
-    - "full": mask [B, T, T] (True = may attend); expanded attention (the plain reference) -> out.
-    - "causal": mask = kv_valid [B, T] (causal implied); blocked expanded attention, which skips the tiles
-      above the diagonal (k2jax.ops.attention) -> out. What K2Model's forward runs.
-    - "prefill": mask = kv_valid [B, T] (causal implied); blocked expanded attention (k2jax.ops.attention)
-      -> (out, {"ckv": [B, T, R], "k_pe": [B, T, P]}), the latents to cache.
-    - "decode": cache {"ckv": [B, S, R], "k_pe": [B, S, P]} (this layer's), the T tokens' latents placed at
-      slots index..index+T-1 of it, then absorbed attention over it under mask [B, T, S] -> (out, the T
-      tokens' latents {"ckv": [B, T, R], "k_pe": [B, T, P]}: the caller writes them into its cache).
-      "decode_expanded": the same with expanded attention (the reference; bench/decode.py times both).
+    context: None (the tokens attend to themselves only) or this layer's cached tokens (ckv [B, S, R],
+    k_pe [B, S, P], valid [B, S]; k2jax.ops.paged.PagedCache.read), a prefix every new token may see where
+    valid. The attention form follows from the shapes (k2jax.ops.attention.attend); `attention` "plain"
+    takes the plain expanded form instead (the reference).
     """
 
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
-    mode: str = "full"  # one of MODES
+    attention: str = "auto"  # one of k2jax.ops.attention.ATTENTION_IMPLS
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask, cache=None, index=None):
+    def __call__(self, x_BTD, positions_BT, kv_valid_BT, context=None):
         cfg, dt = self.cfg, self.param_dtype
         D, N = cfg.hidden_size, cfg.num_attention_heads
         K, P, V, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -57,32 +50,28 @@ class MLA(nn.Module):
             q_BTNH = einsum("BTD,DNH->BTNH", x_BTD, w_q_DNH, dtype=dt)
         q_nope_BTNK, q_pe_BTNP = q_BTNH[..., :K], q_BTNH[..., K:]
 
-        # Keys and values: one shared latent ckv (normalised) and one shared rotary key k_pe.
+        # Keys and values: one shared latent ckv (normalised) and one shared rotary key k_pe per token.
         w_kv_a_DC = param(self, "kv_a_proj_with_mqa", (D, R + P), ("embed", "kv_lora"), dt)
-        kv_a_BSC = einsum("BSD,DC->BSC", x_BTD, w_kv_a_DC, dtype=dt)
-        ckv_BSR = RMSNorm(1e-6, dt, "kv_lora", name="kv_a_layernorm")(kv_a_BSC[..., :R])
-        k_pe_BSP = kv_a_BSC[..., R:]
+        kv_a_BTC = einsum("BTD,DC->BTC", x_BTD, w_kv_a_DC, dtype=dt)
+        ckv_BTR = RMSNorm(1e-6, dt, "kv_lora", name="kv_a_layernorm")(kv_a_BTC[..., :R])
+        k_pe_BTP = kv_a_BTC[..., R:]
 
         q_pe_BTNP = apply_rope(q_pe_BTNP, positions_BT, cfg)
-        k_pe_BSP = apply_rope(k_pe_BSP[:, :, None, :], positions_BT, cfg)[:, :, 0, :]
+        k_pe_BTP = apply_rope(k_pe_BTP[:, :, None, :], positions_BT, cfg)[:, :, 0, :]
+        new = {"ckv": ckv_BTR, "k_pe": k_pe_BTP}
+
+        # The keys: the cached prefix (if any), then the new tokens themselves.
+        ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
+        if context is not None:
+            c_ckv_BSR, c_k_pe_BSP, c_valid_BS = context
+            ckv_BSR = jnp.concatenate([c_ckv_BSR.astype(dt), ckv_BTR], 1)
+            k_pe_BSP = jnp.concatenate([c_k_pe_BSP.astype(dt), k_pe_BTP], 1)
+            valid_BS = jnp.concatenate([c_valid_BS, valid_BS], 1)
 
         # A quantized kv_b_proj is dequantized once per layer and step here (R x N x (K+V), small): the
-        # attention kernels use it two ways (expanding the cache, or absorbed into the query and output).
+        # attention kernels use it two ways (expanding the keys, or absorbed into the query and output).
         w_kv_b_RNX = materialize(param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt), dt)
         w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
-        attn = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask, cfg.softmax_scale)
-        if self.mode == "full":
-            return einsum("BTNV,NVD->BTD", attend_expanded(*attn), w_o_NVD, dtype=dt)
-        if self.mode == "causal":
-            return einsum("BTNV,NVD->BTD", attend_blocked(*attn), w_o_NVD, dtype=dt)
-        if self.mode == "prefill":
-            out_BTNV, kv = attend_blocked(*attn), {"ckv": ckv_BSR, "k_pe": k_pe_BSP}
-        elif self.mode in ("decode", "decode_expanded"):
-            kv = {"ckv": ckv_BSR.astype(cache["ckv"].dtype), "k_pe": k_pe_BSP.astype(cache["k_pe"].dtype)}
-            seen = {k: jax.lax.dynamic_update_slice_in_dim(cache[k], kv[k], index, axis=1) for k in kv}
-            attend = attend_absorbed if self.mode == "decode" else attend_expanded
-            out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, seen["ckv"], seen["k_pe"], w_kv_b_RNX, mask, cfg.softmax_scale)
-        else:
-            raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
-        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), kv
-
+        out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, valid_BS, cfg.softmax_scale,
+                          self.attention)
+        return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), new

@@ -15,93 +15,72 @@ from k2jax.nn.quantized import abstract_quantized, quantized_axes
 
 
 class K2Model(nn.Module):
-    """tokens [B, T] int32 -> logits [B, T, V] float32.
+    """The model: tokens [B, T] int32 -> logits float32, with or without a latent KV cache.
 
-    positions [B, T] default to 0..T-1; attention_mask [B, S] (1 = real token) is combined with the causal
-    mask. Attention is blocked (tiles above the diagonal skipped); `reference` is the plain form. Computation
-    runs in `param_dtype`; norms, softmax and the router in float32.
+    `__call__(tokens_BT, positions_BT=None, attention_mask_BS=None, cache=None, logits_at_B=None)`:
+    - no cache (training, scoring): logits [B, T, V]. positions default to 0..T-1; attention_mask [B, T]
+      (1 = real token) is a key padding mask combined with the causal one (left padding allowed).
+    - cache (k2jax.ops.paged.PagedCache, from k2jax.inference.cache): each row's T tokens continue the
+      sequence the cache holds for it: token t of row b is at position lengths[b] + t (positions default
+      to that), attends to the row's cached tokens and causally to the new ones, and its latents are written
+      into the row's pages. attention_mask [B, T] marks the real new tokens, a prefix of each row (default
+      all); padding tokens are computed but never written. -> (logits, cache with the new tokens written and
+      lengths advanced). Donate the cache to write it in place.
+    logits_at_B: [B] int, the one position per row whose logits are wanted (prefill: the last real token)
+    -> logits [B, V] instead of [B, T, V] (T x V would not fit for long prompts).
 
-    `prefill` and `decode` run the same params with a latent KV cache (k2jax.inference generates with them).
+    Attention takes its fast forms (k2jax.ops.attention.attend, chosen from the shapes); `attention="plain"`
+    (or the `reference` method) the plain expanded one. Computation runs in `param_dtype`; norms, softmax and
+    the router in float32.
     """
 
     cfg: K2Config
     param_dtype: jnp.dtype = jnp.float32
     moe_impl: str = "auto"
     remat: str = "none"  # per block, one of REMAT_POLICIES: trades the backward pass's memory for compute
+    attention: str = "auto"  # one of k2jax.ops.attention.ATTENTION_IMPLS
 
-    def __call__(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
-        B, T = tokens_BT.shape
-        positions_BT = _default_positions(tokens_BT, positions_BT)
-        kv_valid_BT = jnp.ones((B, T), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
-        return self.forward(tokens_BT, positions_BT, kv_valid_BT, mode="causal")[0]
+    def __call__(self, tokens_BT, positions_BT=None, attention_mask_BS=None, cache=None, logits_at_B=None):
+        return self.forward(tokens_BT, positions_BT, attention_mask_BS, cache, logits_at_B, self.attention)
 
-    def reference(self, tokens_BT, positions_BT=None, attention_mask_BS=None):
-        """The same logits through the plain attention (the whole [T, T] mask and score matrix)."""
-        B, T = tokens_BT.shape
-        positions_BT = _default_positions(tokens_BT, positions_BT)
-        mask_BTS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-        if attention_mask_BS is not None:
-            mask_BTS = mask_BTS & attention_mask_BS.astype(bool)[:, None, :]
-        return self.forward(tokens_BT, positions_BT, mask_BTS)[0]
-
-    def prefill(self, tokens_BT, positions_BT, kv_valid_BT):
-        """Run a (left-padded) prompt: tokens, positions [B, T], kv_valid [B, T] (True = a real token; causal
-        implied) -> (logits at the last position [B, V], cache entries {group: {"ckv": [L, B, T, R],
-        "k_pe": [L, B, T, P]}}). Attention is key-blocked: memory linear in T."""
-        logits_B1V, kv = self.forward(tokens_BT, positions_BT, kv_valid_BT.astype(bool), mode="prefill")
-        return logits_B1V[:, 0], kv
-
-    def decode(self, tokens_BT, positions_BT, kv_valid_BS, cache, index, absorbed=True):
-        """Run T new tokens per row against a cache ({group: {"ckv": [L, B, S, R], "k_pe": [L, B, S, P]}},
-        see k2jax.inference.cache): their latents are written at slots index..index+T-1; slot s is visible
-        to new token t iff kv_valid[b, s] and s <= index + t. -> (logits [B, T, V], updated cache).
-        absorbed=False expands the cache per head instead (the reference form; same numbers, slower).
-
-        The layers read the cache and return only the new latents, written in after the last layer: a
-        cache scanned in and out with the layers would be copied whole on every step (at batch 16 and an
-        8k context, most of the step's time on XLA:CPU). Donate the cache to update it in place."""
-        T, S = tokens_BT.shape[1], kv_valid_BS.shape[1]
-        causal_TS = jnp.arange(S)[None, :] <= index + jnp.arange(T)[:, None]
-        mask_BTS = kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
-        logits_BTV, new = self.forward(tokens_BT, positions_BT, mask_BTS, cache, index,
-                                       mode="decode" if absorbed else "decode_expanded")
-        cache = jax.tree.map(lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), index, axis=2),
-                             cache, new)
-        return logits_BTV, cache
+    def reference(self, tokens_BT, positions_BT=None, attention_mask_BS=None, cache=None, logits_at_B=None):
+        """The same through the plain attention (the whole [T, S] mask and score matrix)."""
+        return self.forward(tokens_BT, positions_BT, attention_mask_BS, cache, logits_at_B, "plain")
 
     @nn.compact
-    def forward(self, tokens_BT, positions_BT, mask, cache=None, index=None, mode="full"):
-        """The model in one of MLA's modes (see MLA and the three methods above) -> (logits, kv per group)."""
+    def forward(self, tokens_BT, positions_BT, attention_mask_BS, cache, logits_at_B, attention):
+        """__call__ with the attention form given (see the class docstring)."""
         cfg, dt = self.cfg, self.param_dtype
+        B, T = tokens_BT.shape
+        valid_BT = jnp.ones((B, T), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
+        if positions_BT is None:
+            start_B1 = jnp.zeros((B, 1), jnp.int32) if cache is None else cache.lengths[:, None]
+            positions_BT = start_B1 + jnp.arange(T, dtype=jnp.int32)[None, :]
         embed_VD = param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
                          nn.initializers.normal(1.0))
         x_BTD = embed_VD[tokens_BT]
         # Per-layer expert arrays (split_experts) go to the blocks whole, with each layer's index.
         split = self.get_variable("params", SPLIT_EXPERTS) if self.has_variable("params", SPLIT_EXPERTS) else None
-        kv = {}
+        new = {}
         for name, n, moe in (("dense_layers", cfg.num_dense_layers, False),
                              ("moe_layers", cfg.num_moe_layers, True)):
             if n:
-                blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, mode, name=name)
-                experts = split if moe else None
-                x_BTD, kv[name] = blocks(x_BTD, positions_BT, mask, None if cache is None else cache[name], index,
-                                         experts, jnp.arange(n))
-        if mode == "prefill":
-            x_BTD = x_BTD[:, -1:]  # only the next token's logits are wanted (T x V would not fit for long prompts)
+                blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, attention, name, name=name)
+                x_BTD, new[name] = blocks(x_BTD, positions_BT, valid_BT, cache, split if moe else None,
+                                          jnp.arange(n))
+        if logits_at_B is not None:
+            x_BTD = jnp.take_along_axis(x_BTD, logits_at_B.astype(jnp.int32)[:, None, None], axis=1)
         x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)
         if cfg.tie_word_embeddings:
             head_DV = embed_VD.T
         else:
             head_DV = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
-        return einsum("BTD,DV->BTV", x_BTD, head_DV, jnp.float32), kv
-
-
-def _default_positions(tokens_BT, positions_BT):
-    """positions_BT, or 0..T-1 in every row when it is None."""
-    if positions_BT is not None:
-        return positions_BT
-    B, T = tokens_BT.shape
-    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits = einsum("BTD,DV->BTV", x_BTD, head_DV, jnp.float32)
+        if logits_at_B is not None:
+            logits = logits[:, 0]
+        if cache is None:
+            return logits
+        return logits, cache.append(new, valid_BT.sum(1).astype(jnp.int32))
 
 
 # What a block keeps from its forward pass for the backward pass: everything ("none": no remat), only its
@@ -113,16 +92,17 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
 
 def scanned_blocks(length: int, remat: str = "none"):
     """DecoderBlock repeated `length` times under nn.scan: params stacked on a leading, unsharded 'layers'
-    axis, so compile time does not grow with depth. Each block gets its layer index; positions, mask, the
-    decode cache (read-only; stacked on the same leading axis) and its index are shared by all layers.
-    Sown intermediates (router statistics) are stacked on the layer axis too. remat: see REMAT_POLICIES."""
+    axis, so compile time does not grow with depth. Each block gets its layer index; positions, kv_valid,
+    the cache (read only: the blocks return their new latents, written in after the last layer, since a
+    cache scanned in and out with the layers would be copied whole on every step) and the split experts are
+    shared by all layers. Sown intermediates (router statistics) are stacked on the layer axis too. remat: see REMAT_POLICIES."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat policy must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
     block = DecoderBlock
     if remat != "none":
         block = nn.remat(DecoderBlock, policy=REMAT_POLICIES[remat], prevent_cse=False)  # scan stops CSE
     return nn.scan(block, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast,) * 5 + (0,), length=length,
+                   in_axes=(nn.broadcast,) * 4 + (0,), length=length,
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 

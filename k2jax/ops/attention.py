@@ -7,6 +7,7 @@
   above the causal diagonal are skipped.
 - `attend_absorbed` (decode): W_UK folded into the query and W_UV into the output (K2_REFERENCE.md §3), so a
   step reads the latent cache once and never expands it per head.
+- `attend`: picks one of them from the shapes (the model calls it; no mode strings).
 
 Letters as in k2jax.nn.mla: B batch, T queries, S keys, N heads, K nope head dim, P rope head dim,
 R kv_lora_rank, V value head dim, X = K + V. All return the per-head outputs [B, T, N, V] in the
@@ -23,6 +24,45 @@ from k2jax.ops.quant import materialize
 
 _NEG_INF = -1e30  # finite, so a row with nothing to attend to averages instead of giving NaN
 DEFAULT_BLOCK = 256  # measured on XLA:CPU at 512 tokens: 256 beats 128 and 512 (no causal skip)
+
+
+ATTENTION_IMPLS = ("auto", "plain")
+
+
+def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, scale, impl: str = "auto"):
+    """Causal attention of T new tokens over S = C + T keys: C cached ones (a prefix every new token may see,
+    where kv_valid) and the T new ones (causally). The form follows from the shapes:
+
+    - impl "plain": attend_expanded under the whole [T, S] mask (the reference);
+    - "auto", no cache (C == 0): attend_blocked (tiles above the diagonal skipped);
+    - "auto" with a cache: attend_absorbed when it takes fewer flops than expanding the keys, i.e. for
+      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2), else attend_blocked.
+
+    q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, S, R], k_pe [B, S, P], w_kv_b [R, N, K + V],
+    kv_valid [B, S] bool -> [B, T, N, V].
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    T, S = q_nope_BTNK.shape[1], ckv_BSR.shape[1]
+    args = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX)
+    if impl == "plain":
+        return attend_expanded(*args, causal_mask(kv_valid_BS, T), scale)
+    if S > T and absorbed_is_cheaper(T, ckv_BSR.shape[-1], q_nope_BTNK.shape[-1], w_kv_b_RNX.shape[-1]):
+        return attend_absorbed(*args, causal_mask(kv_valid_BS, T), scale)
+    return attend_blocked(*args, kv_valid_BS, scale)
+
+
+def causal_mask(kv_valid_BS, T: int):
+    """[B, T, S] bool: new token t (key index S - T + t) sees key s iff s <= S - T + t and kv_valid[b, s]."""
+    S = kv_valid_BS.shape[1]
+    causal_TS = jnp.arange(S)[None, :] <= (S - T) + jnp.arange(T)[:, None]
+    return kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
+
+
+def absorbed_is_cheaper(T: int, R: int, K: int, X: int) -> bool:
+    """Whether absorbed attention takes fewer flops than expanded for T queries: per (query, key) and head it
+    costs 2R + P against K + P + V expanded, but expanding costs R(K + V) per key and head (X = K + V)."""
+    return T * (2 * R - X) < R * X
 
 
 def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
@@ -74,46 +114,58 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     return jnp.einsum("BNTR,RNV->BTNV", o_lat_BNTR, w_uv_RNV, preferred_element_type=f32).astype(dt)
 
 
-def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
+def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, scale,
                    block: int = DEFAULT_BLOCK, unroll_blocks: int = 4):
-    """Causal self-attention of T tokens over themselves, in [block × block] tiles with an online softmax.
+    """Causal attention of T new tokens over S = C + T keys: C cached keys (a prefix every new token may see)
+    and the T new tokens themselves (causally), in [block × block] tiles with an online softmax.
 
-    Keys and values are expanded per head once ([B, N, T, X], linear in T); the score tiles are the only
-    quadratic work and are never held together. Tiles above the causal diagonal are skipped (a cond in a
-    fixed-length scan, so the kernel is differentiable and serves training too). Query t sees key s iff
-    s <= t and kv_valid[b, s]. Equals attend_expanded with mask tril & kv_valid on every query row that sees
-    at least one key (padding rows see none; what they get does not reach the real rows).
+    Keys and values are expanded per head once ([B, N, S, X], linear in S); the score tiles are the only
+    quadratic work and are never held together. Key tiles above the causal diagonal are skipped (a cond in a
+    fixed-length scan, so the kernel is differentiable and serves training too); tiles of the cached prefix
+    are always visited (kv_valid masks what a row does not hold). New token t (key index C + t) sees key s
+    iff s <= C + t and kv_valid[b, s]. Equals attend_expanded under that mask on every query row that sees at
+    least one key (padding rows see none; what they get does not reach the real rows).
 
-    Up to `unroll_blocks` query blocks (short prompts; the bench forward's 512 tokens), the blocks are
-    unrolled instead: each query block against the keys up to its diagonal with a plain softmax, no loop
-    and no online rescaling (measured 8.0 -> 5.8 ms per layer at 512 tokens, bench config, bf16).
+    Up to `unroll_blocks` query blocks (short prompts; the bench forward's 512 tokens) the blocks are unrolled
+    instead: each query block against the keys up to its diagonal with a plain softmax, no loop and no online
+    rescaling (measured 8.0 -> 5.8 ms per layer at 512 tokens, bench config, bf16).
 
-    q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, T, R], k_pe [B, T, P], w_kv_b [R, N, K + V],
-    kv_valid [B, T] bool -> [B, T, N, V].
+    q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, S, R], k_pe [B, S, P], w_kv_b [R, N, K + V],
+    kv_valid [B, S] bool -> [B, T, N, V]. C = S - T is static (from the shapes).
     """
     B, T, N, K = q_nope_BTNK.shape
+    S = ckv_BSR.shape[1]
+    C = S - T  # cached keys before the new ones
     P, V = q_pe_BTNP.shape[-1], w_kv_b_RNX.shape[-1] - K
-    f32, dt = jnp.float32, ckv_BTR.dtype
+    f32, dt = jnp.float32, ckv_BSR.dtype
     w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     block = min(block, T)
-    nb = -(-T // block)
-    pad = nb * block - T
+    nq = -(-T // block)
     barrier = jax.lax.optimization_barrier  # XLA:CPU workaround (see attend_expanded)
 
     # Head-major, the scale folded into the query; [nope; rope] on one axis, so one matmul gives a score tile.
-    kv_BNTX = barrier(jnp.einsum("BTR,RNX->BNTX", ckv_BTR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
+    kv_BNSX = barrier(jnp.einsum("BSR,RNX->BNSX", ckv_BSR, w_kv_b_RNX, preferred_element_type=f32).astype(dt))
     q_BNTH = jnp.concatenate([q_nope_BTNK, q_pe_BTNP.astype(q_nope_BTNK.dtype)], -1).transpose(0, 2, 1, 3)
     q_BNTH = (q_BNTH.astype(f32) * scale).astype(dt)
-    k_BNTH = jnp.concatenate([kv_BNTX[..., :K], jnp.broadcast_to(k_pe_BTP[:, None].astype(dt), (B, N, T, P))], -1)
-    if nb <= unroll_blocks:
-        return _unrolled_blocks(q_BNTH, k_BNTH, kv_BNTX[..., K:], kv_valid_BT.astype(bool), block)
+    k_BNSH = jnp.concatenate([kv_BNSX[..., :K], jnp.broadcast_to(k_pe_BSP[:, None].astype(dt), (B, N, S, P))], -1)
+    kv_valid_BS = kv_valid_BS.astype(bool)
+    if nq <= unroll_blocks:
+        return _unrolled_blocks(q_BNTH, k_BNSH, kv_BNSX[..., K:], kv_valid_BS, block, C)
 
-    def blocks(x):  # [B, N, T, X] -> [nb, B, N, block, X], padded at the end
-        x = jnp.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)])
-        return jnp.moveaxis(x.reshape(B, N, nb, block, x.shape[-1]), 2, 0)
+    # Key tiles laid out so that tile boundaries fall on the new tokens' query blocks: the cached prefix is
+    # front-padded to whole tiles (padding keys invalid), so tile j >= nc holds new keys of query block j - nc.
+    nc = -(-C // block)
+    front, back = nc * block - C, nq * block - T
 
-    q_nBNcH, k_nBNcH, v_nBNcV = barrier((blocks(q_BNTH), blocks(k_BNTH), blocks(kv_BNTX[..., K:])))
-    valid_nBc = jnp.moveaxis(jnp.pad(kv_valid_BT.astype(bool), [(0, 0), (0, pad)]).reshape(B, nb, block), 1, 0)
+    def tiles(x, n):  # [B, N, n * block, X] -> [n, B, N, block, X]
+        return jnp.moveaxis(x.reshape(B, N, n, block, x.shape[-1]), 2, 0)
+
+    def padded(x):  # keys [B, N, S, X] -> [B, N, (nc + nq) * block, X]
+        return jnp.pad(x, [(0, 0), (0, 0), (front, back), (0, 0)])
+
+    q_nBNcH = tiles(jnp.pad(q_BNTH, [(0, 0), (0, 0), (0, back), (0, 0)]), nq)
+    k_nBNcH, v_nBNcV = barrier((tiles(padded(k_BNSH), nc + nq), tiles(padded(kv_BNSX[..., K:]), nc + nq)))
+    valid_nBc = jnp.moveaxis(jnp.pad(kv_valid_BS, [(0, 0), (front, back)]).reshape(B, nc + nq, block), 1, 0)
     offs = jnp.arange(block)
 
     def query_block(i):
@@ -122,7 +174,8 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
         def visit(carry, j):
             m_BNc, l_BNc, acc_BNcV = carry
             s_BNcc = jnp.einsum("BNTH,BNSH->BNTS", q_BNcH, k_nBNcH[j], preferred_element_type=f32)
-            see_Bcc = valid_nBc[j][:, None, :] & ((i * block + offs)[:, None] >= (j * block + offs)[None, :])
+            # Positions in the padded key axis: query t of block i sits at nc*block + i*block + t.
+            see_Bcc = valid_nBc[j][:, None, :] & ((nc + i) * block + offs[:, None] >= j * block + offs[None, :])
             s_BNcc = jnp.where(see_Bcc[:, None], s_BNcc, _NEG_INF)
             m_new = jnp.maximum(m_BNc, s_BNcc.max(-1))
             corr = jnp.exp(m_BNc - m_new)
@@ -131,30 +184,30 @@ def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_val
             return m_new, l_BNc * corr + p_BNcc.sum(-1), acc_BNcV * corr[..., None] + pv_BNcV
 
         def key_block(carry, j):
-            # Key blocks above the diagonal are fully masked: skipped, not computed.
-            return jax.lax.cond(j <= i, visit, lambda c, _: c, carry, j), None
+            # Key tiles above the diagonal are fully masked: skipped, not computed.
+            return jax.lax.cond(j <= nc + i, visit, lambda c, _: c, carry, j), None
 
         init = (jnp.full((B, N, block), _NEG_INF, f32), jnp.zeros((B, N, block), f32),
                 jnp.zeros((B, N, block, V), f32))
-        (_, l_BNc, acc_BNcV), _ = jax.lax.scan(key_block, init, jnp.arange(nb))
+        (_, l_BNc, acc_BNcV), _ = jax.lax.scan(key_block, init, jnp.arange(nc + nq))
         return (acc_BNcV / l_BNc[..., None]).astype(dt)
 
-    out_nBNcV = jax.lax.map(query_block, jnp.arange(nb))
-    return jnp.moveaxis(out_nBNcV, 0, 2).reshape(B, N, nb * block, V)[:, :, :T].transpose(0, 2, 1, 3)
+    out_nBNcV = jax.lax.map(query_block, jnp.arange(nq))
+    return jnp.moveaxis(out_nBNcV, 0, 2).reshape(B, N, nq * block, V)[:, :, :T].transpose(0, 2, 1, 3)
 
 
-def _unrolled_blocks(q_BNTH, k_BNSH, v_BNSV, kv_valid_BS, block):
-    """attend_blocked's short-prompt form: query block i against keys [0, end of block i), plain softmax
-    (scores [B, N, block, ≤ T] in float32) -> [B, T, N, V]."""
+def _unrolled_blocks(q_BNTH, k_BNSH, v_BNSV, kv_valid_BS, block, C):
+    """attend_blocked's short-prompt form: query block i (new tokens start..end) against the C cached keys
+    and the new keys up to its end, plain softmax (scores [B, N, block, <= S] in float32) -> [B, T, N, V]."""
     T = q_BNTH.shape[2]
     f32, dt = jnp.float32, v_BNSV.dtype
     outs = []
     for start in range(0, T, block):
         end = min(T, start + block)
-        s_BNcS = jnp.einsum("BNTH,BNSH->BNTS", q_BNTH[:, :, start:end], k_BNSH[:, :, :end],
+        s_BNcS = jnp.einsum("BNTH,BNSH->BNTS", q_BNTH[:, :, start:end], k_BNSH[:, :, :C + end],
                             preferred_element_type=f32)
-        see_BcS = kv_valid_BS[:, None, :end] & (jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :])
+        see_BcS = kv_valid_BS[:, None, :C + end] & (C + jnp.arange(start, end)[:, None] >= jnp.arange(C + end)[None, :])
         s_BNcS = jnp.where(see_BcS[:, None], s_BNcS, _NEG_INF)
         p_BNcS = jax.nn.softmax(s_BNcS, axis=-1).astype(dt)
-        outs.append(jnp.einsum("BNTS,BNSV->BNTV", p_BNcS, v_BNSV[:, :, :end], preferred_element_type=f32))
+        outs.append(jnp.einsum("BNTS,BNSV->BNTV", p_BNcS, v_BNSV[:, :, :C + end], preferred_element_type=f32))
     return jnp.concatenate(outs, 2).astype(dt).transpose(0, 2, 1, 3)

@@ -1,0 +1,176 @@
+"""The one inference runtime's step: a batch of rows through the model over the paged cache, and each row's
+next token sampled. `k2jax.generate` and `k2jax serve` run the same step on the same cache.
+
+A step takes, per row b: its slot (the row of the per-slot sampling state), its next tokens (a prefix of
+count[b] real ones, right-padded to T), its page table and how many tokens it already holds (lengths[b]),
+how long its prompt is (tokens before that are prompt, the rest the row's own output: the penalties count
+them), whether its slot starts afresh (reset: a new request), and its sampling settings
+(k2jax.inference.sampling). It returns the token sampled from the logits at each row's last real token,
+its logprob and the top logprobs. What the step computes follows from its shapes: rows B, tokens per row T
+(1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
+width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
+
+Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
+prompt-token mask [slots, V] bool for the penalties.
+
+Rows of a step split over the data-parallel shards when their count is a multiple of the shard count (row b
+then belongs to shard b // (B / shards), and its slot and pages must lie in that shard); any other batch
+(one lone request) is replicated on every chip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k2jax.inference import sampling
+from k2jax.inference.cache import empty_pool, rows_sharding
+from k2jax.nn.model import K2Model
+from k2jax.ops.paged import PagedCache, batch_axes
+from k2jax.sharding import per_shard, split_axes, use_mesh
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    """The static shape of a step: rows, tokens per row, pages read per row, page-table width."""
+
+    rows: int
+    tokens: int
+    read_pages: int
+    table_pages: int
+
+
+def host_batch(shape: StepShape, vocab_size: int) -> dict:
+    """A step's host inputs for `shape`, all neutral: no real tokens (nothing is written), greedy rows."""
+    B = shape.rows
+    return {"slot": np.zeros(B, np.int32), "tokens": np.zeros((B, shape.tokens), np.int32),
+            "count": np.zeros(B, np.int32), "table": np.zeros((B, shape.table_pages), np.int32),
+            "lengths": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32), "reset": np.zeros(B, bool),
+            "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32), "samp": sampling.default_rows(B)}
+
+
+class Runner:
+    """The pool of `num_pages` pages of `page_size` tokens ({group: [L, A, Y, R + P]}, kv_dtype as
+    k2jax.inference.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
+    on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
+    one step. The params stay the caller's (placed on the mesh already, or on one device)."""
+
+    def __init__(self, model: K2Model, params, *, slots: int, num_pages: int, page_size: int, kv_dtype=None,
+                 mesh=None):
+        self.model, self.params, self.mesh = model, params, mesh
+        self.cfg = model.cfg
+        self.slots, self.page_size = slots, page_size
+        self.kv_dtype = jnp.dtype(model.param_dtype).name if kv_dtype in (None, "auto") else kv_dtype
+        self.shard_axes = () if mesh is None else batch_axes(slots, mesh)
+        self.shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in self.shard_axes)
+        if num_pages % self.shards:
+            raise ValueError(f"num_pages {num_pages} must be a multiple of the {self.shards} data-parallel shards")
+        self.num_pages = num_pages
+        with self._context():
+            pages, scales = empty_pool(self.cfg, num_pages, page_size, self.kv_dtype, mesh, slots)
+            sh = rows_sharding(mesh, slots)
+            V = self.cfg.vocab_size
+            self.state = {"pages": pages, "scales": scales,
+                          "counts": jnp.zeros((slots, V), jnp.int32, device=sh),
+                          "seen": jnp.zeros((slots, V), bool, device=sh)}
+        self._compiled: dict[StepShape, object] = {}
+
+    def _context(self):
+        return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
+
+    # --- the step function (traced once per shape) ----------------------------------------------------
+    def _step(self, params, state, batch, read_pages: int):
+        B, T = batch["tokens"].shape
+        count_B = batch["count"]
+        cache = PagedCache(state["pages"], state["scales"], batch["table"], batch["lengths"],
+                           self.cfg.qk_rope_head_dim, self.shard_axes, read_pages)
+        valid_BT = jnp.arange(T)[None, :] < count_B[:, None]
+        logits_BV, cache = self.model.apply({"params": params}, batch["tokens"], None, valid_BT, cache,
+                                            jnp.maximum(count_B - 1, 0))
+        counts_BV, seen_BV = self._rows(state, batch["slot"], batch["reset"])
+        pos_BT = batch["lengths"][:, None] + jnp.arange(T)[None, :]
+        in_prompt_BT = valid_BT & (pos_BT < batch["prompt_len"][:, None])
+        seen_BV = sampling.mark_prompt(seen_BV, batch["tokens"], in_prompt_BT)
+        counts_BV = _add_counts(counts_BV, batch["tokens"], valid_BT & ~in_prompt_BT)
+        out = sampling.sample_rows(logits_BV, batch["samp"], counts_BV, seen_BV, batch["bitmask"])
+        write_B = (count_B > 0) | batch["reset"]
+        counts, seen = self._write_rows(state, batch["slot"], write_B, counts_BV, seen_BV)
+        return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out
+
+    def _rows(self, state, slot_B, reset_B):
+        """The per-slot state of the step's rows ([B, V] each), zero where reset."""
+        axes = split_axes(self.shard_axes, slot_B.shape[0])
+        per = self.slots // (math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1)
+
+        def local(shard, slot_B, reset_B, counts, seen):
+            i_B = slot_B - shard * per
+            keep_B1 = ~reset_B[:, None]
+            return counts[i_B] * keep_B1, seen[i_B] & keep_B1
+
+        return per_shard(local, (slot_B, reset_B, state["counts"], state["seen"]), (0, 0, 0, 0), (0, 0), axes)
+
+    def _write_rows(self, state, slot_B, write_B, counts_BV, seen_BV):
+        axes = split_axes(self.shard_axes, slot_B.shape[0])
+        per = self.slots // (math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1)
+
+        def local(shard, slot_B, write_B, counts_BV, seen_BV, counts, seen):
+            i_B = jnp.where(write_B, slot_B - shard * per, counts.shape[0])  # rows not written: dropped
+            return counts.at[i_B].set(counts_BV, mode="drop"), seen.at[i_B].set(seen_BV, mode="drop")
+
+        return per_shard(local, (slot_B, write_B, counts_BV, seen_BV, state["counts"], state["seen"]),
+                         (0, 0, 0, 0, 0, 0), (0, 0), axes)
+
+    # --- compiling and running ------------------------------------------------------------------------
+    def _shardings(self, shape: StepShape):
+        """The batch's input shardings: per-row arrays split like the rows (or replicated)."""
+        if self.mesh is None:
+            return None
+        axes = tuple(a for a in self.shard_axes) if shape.rows % self.shards == 0 else ()
+        row = NamedSharding(self.mesh, PartitionSpec(axes or None))
+        return jax.tree.map(lambda _: row, host_batch(shape, self.cfg.vocab_size))
+
+    def lower(self, shape: StepShape, params=None, state=None):
+        """The step of `shape` lowered (not compiled) on abstract or concrete arguments."""
+        params = self.params if params is None else params
+        state = self.state if state is None else state
+        batch = host_batch(shape, self.cfg.vocab_size)
+        sh = self._shardings(shape)
+        if sh is not None:
+            batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, sh)
+        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,))
+        with self._context():
+            return fn.lower(params, state, batch)
+
+    def compile(self, shapes, on_progress=None) -> float:
+        """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each."""
+        t0 = time.perf_counter()
+        todo = [s for s in dict.fromkeys(shapes) if s not in self._compiled]
+        for i, shape in enumerate(todo, 1):
+            self._compiled[shape] = self.lower(shape).compile()
+            if on_progress is not None:
+                on_progress(i, len(todo), shape)
+        return time.perf_counter() - t0
+
+    def step(self, shape: StepShape, batch: dict) -> dict:
+        """Run one step of `shape` on host inputs (see host_batch) -> device outputs {"tokens" [B], "logprob"
+        [B], "top_ids", "top_logprobs" [B, sampling.MAX_TOP_LOGPROBS]}; dispatched asynchronously."""
+        if shape not in self._compiled:
+            self.compile([shape])
+        sh = self._shardings(shape)
+        if sh is not None:
+            batch = jax.device_put(batch, sh)
+        self.state, out = self._compiled[shape](self.params, self.state, batch)
+        return out
+
+
+def _add_counts(counts_BV, tokens_BT, add_BT):
+    """counts + how often each id occurs among the tokens where add_BT."""
+    B, T = tokens_BT.shape
+    return counts_BV.at[jnp.arange(B)[:, None], tokens_BT].add(add_BT.astype(counts_BV.dtype))

@@ -1,0 +1,158 @@
+"""The paged latent KV cache: a pool of pages per layer group, and per row a page table and a length.
+
+Per token and layer the cache holds only the normalised latent ckv [R] and the rotated shared rotary key
+k_pe [P] (K2_REFERENCE.md §3: 576 values for Kimi K2, nothing per head), side by side: C = R + P values. A
+pool {group: [L, A, Y, C]} holds A pages of Y tokens for every layer of a group (dense_layers, moe_layers);
+row b of a batch owns the pages its table lists (page_table[b, w] holds its tokens w*Y .. w*Y + Y - 1) and
+holds lengths[b] tokens. Rows read and write at their own positions: there is no shared index, and no row
+is copied to decode it. Page 0 (of each shard's part of the pool, below) is the trash page: table entries a
+row does not use point there, and the new tokens of padding positions are written there; nothing reads it
+unmasked.
+
+A float8 pool holds e4m3 values with a float32 scale per token and part (ckv, k_pe): scales [L, A, Y, 2],
+amax / 448 each. Reads dequantize only the pages they gather.
+
+On a mesh the pool's page axis is split over `shard_axes` (the batch's mesh axes, k2jax.sharding's "batch"
+rule, as the cache's maker chose them): each data-parallel shard owns a contiguous part of the pool, with its
+own trash page first, and a row's pages lie in its shard's part. Page tables hold global page ids. A batch
+whose rows those axes divide (rows in shard order, as NamedSharding splits them) reads and writes under
+shard_map, so no chip reads another chip's pages; any other batch (its rows replicated, e.g. a lone
+request) reads and writes the sharded pool by global id and leaves the partitioning to the compiler.
+
+Letters: L layers, A pages in the pool, Y tokens per page, W pages per row (table width), B rows, T new
+tokens per row, S = W * Y cached positions per row, C = R + P, R kv_lora_rank, P rope head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from k2jax.sharding import logical_to_spec, per_shard, split_axes
+
+E4M3_MAX = 448.0
+TRASH_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedCache:
+    """pages {group: [L, A, Y, C]} (bf16 / f32 / e4m3); scales {group: [L, A, Y, 2]} float32 for an e4m3
+    pool, else {}; page_table [B, W] int32 (global page ids); lengths [B] int32; rope_dim P and shard_axes
+    (the mesh axes the pool's pages are split over) static."""
+
+    pages: dict
+    scales: dict
+    page_table: jax.Array
+    lengths: jax.Array
+    rope_dim: int = dataclasses.field(metadata=dict(static=True))
+    shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    read_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return next(iter(self.pages.values())).shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return next(iter(self.pages.values())).shape[1]
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.scales)
+
+    def replace(self, **changes) -> "PagedCache":
+        return dataclasses.replace(self, **changes)
+
+    def read(self, group: str, layer, dtype):
+        """Layer `layer` (a traced index into the group's stack) of every row's cached tokens ->
+        (ckv [B, S, R], k_pe [B, S, P] in `dtype`, valid [B, S] bool: position s < lengths[b])."""
+        pages, scales = self.pages[group], self.scales.get(group)
+        R = pages.shape[-1] - self.rope_dim
+
+        def local(first, table_BW, layer, pages, *scales):
+            B, W = table_BW.shape
+            table_BW = table_BW - first
+            x_BWYC = pages[layer, table_BW]  # a gather: reads the rows' pages only, not the layer's pool
+            if not scales:
+                x_BWYC = x_BWYC.astype(dtype)
+            else:
+                s_BWY2 = scales[0][layer, table_BW]
+                x_BWYC = jnp.concatenate([x_BWYC[..., :R].astype(jnp.float32) * s_BWY2[..., :1],
+                                          x_BWYC[..., R:].astype(jnp.float32) * s_BWY2[..., 1:]], -1).astype(dtype)
+            return (x_BWYC.reshape(B, W * x_BWYC.shape[2], -1),)
+
+        extra = () if scales is None else (scales,)
+        table_BW = self.page_table if self.read_pages is None else self.page_table[:, :self.read_pages]
+        (x_BSC,) = self._per_shard(local, (table_BW, layer, pages) + extra, (0, None, 1) + (1,) * len(extra),
+                                   (0,))
+        S = x_BSC.shape[1]
+        valid_BS = jnp.arange(S)[None, :] < self.lengths[:, None]
+        return x_BSC[..., :R], x_BSC[..., R:], valid_BS
+
+    def append(self, new: dict, count_B) -> "PagedCache":
+        """The cache with each row's first count_B[b] new tokens written at positions lengths[b] + t, and
+        lengths advanced by count. new: {group: {"ckv": [L, B, T, R], "k_pe": [L, B, T, P]}}; the other
+        new tokens (padding) go to the trash page. Donate the cache to write in place."""
+        Y = self.page_size
+        pages, scales = dict(self.pages), dict(self.scales)
+        for g, kv in new.items():
+            x_LBTC = jnp.concatenate([kv["ckv"], kv["k_pe"].astype(kv["ckv"].dtype)], -1)
+            if self.quantized:
+                R = kv["ckv"].shape[-1]
+                x_LBTC, s_LBT2 = _quantize(x_LBTC, R)
+            else:
+                x_LBTC, s_LBT2 = x_LBTC.astype(pages[g].dtype), None
+
+            def local(first, table_BW, lengths_B, count_B, x_LBTC, pages, *quant):
+                T = x_LBTC.shape[2]
+                table_BW = table_BW - first
+                pos_BT = lengths_B[:, None] + jnp.arange(T)[None, :]
+                real_BT = jnp.arange(T)[None, :] < count_B[:, None]
+                w_BT = jnp.minimum(pos_BT // Y, table_BW.shape[1] - 1)
+                page_BT = jnp.where(real_BT, jnp.take_along_axis(table_BW, w_BT, axis=1), TRASH_PAGE)
+                slot_BT = jnp.where(real_BT, pos_BT % Y, 0)
+                out = (pages.at[:, page_BT, slot_BT].set(x_LBTC),)
+                if quant:  # (scales, new scales)
+                    out += (quant[0].at[:, page_BT, slot_BT].set(quant[1]),)
+                return out
+
+            quant = () if s_LBT2 is None else (scales[g], s_LBT2)
+            out = self._per_shard(local, (self.page_table, self.lengths, count_B, x_LBTC, pages[g]) + quant,
+                             (0, 0, 0, 1, 1) + (1,) * len(quant), (1,) * (1 + bool(quant)))
+            pages[g] = out[0]
+            if quant:
+                scales[g] = out[1]
+        return self.replace(pages=pages, scales=scales, lengths=self.lengths + count_B.astype(jnp.int32))
+
+    def _per_shard(self, fn, args, dims, out_dims):
+        """fn(first, *args) per shard of the pool (k2jax.sharding.per_shard) when the rows (args[0], a [B, ...]
+        array) split over shard_axes, `first` = the global id of the shard's first page; otherwise fn(0, *args)
+        on the whole arrays: global page ids, and the compiler partitions the gathers and scatters."""
+        axes = split_axes(self.shard_axes, args[0].shape[0])
+        shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
+        return per_shard(lambda shard, *xs: fn(shard * (self.num_pages // shards), *xs), args, dims, out_dims, axes)
+
+
+def _quantize(x_LBTC, R: int):
+    """x -> (e4m3 values, float32 scales [..., 2]): one scale per token for ckv (the first R values) and one
+    for k_pe, amax / 448 each."""
+    x = x_LBTC.astype(jnp.float32)
+    amax = jnp.stack([jnp.abs(x[..., :R]).max(-1), jnp.abs(x[..., R:]).max(-1)], -1)
+    s = jnp.maximum(amax, 1e-12) / E4M3_MAX
+    q = jnp.concatenate([x[..., :R] / s[..., :1], x[..., R:] / s[..., 1:]], -1)
+    return q.astype(jnp.float8_e4m3fn), s
+
+
+def batch_axes(B: int, mesh=None) -> tuple[str, ...]:
+    """The mesh axes a batch of B rows is split over (k2jax.sharding's "batch" rule with its fallback), on
+    `mesh` or the current one; () without a mesh. The pool's page axis is split over the same axes."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if not mesh.shape:
+        return ()
+    entry = logical_to_spec(("batch",), (B,), dict(mesh.shape))[0]
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in axes if mesh.shape[a] > 1)
