@@ -162,13 +162,14 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[int, int, flo
 _PREFILL_SCRIPT = """
 import time, jax, jax.numpy as jnp
 from k2jax import K2Config, K2Model, init_params
+from k2jax.inference.cache import init_cache
 cfg = K2Config.from_hf_config({config!r})
 model, L = K2Model(cfg), {length}
 params = init_params(cfg, jax.random.PRNGKey(0))
 tokens = jax.random.randint(jax.random.PRNGKey(1), (1, L), 0, cfg.vocab_size)
-f = jax.jit(lambda p, t: model.apply({{"params": p}}, t, jnp.arange(L)[None], jnp.ones((1, L), bool),
-                                     method=K2Model.prefill))
-compiled = f.lower(params, tokens).compile()
+cache = init_cache(cfg, 1, L, "float32", page_size=64)
+f = jax.jit(lambda p, t, c: model.apply({{"params": p}}, t, None, None, c, jnp.full((1,), L - 1)))
+compiled = f.lower(params, tokens, cache).compile()
 
 def status(key):  # kB; VmHWM is this process's own peak (getrusage's maxrss also counts the parent at fork)
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
@@ -176,8 +177,8 @@ def status(key):  # kB; VmHWM is this process's own peak (getrusage's maxrss als
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak from here: only the run is measured
 before = status("VmRSS:")
 t = time.perf_counter()
-logits, kv = jax.block_until_ready(compiled(params, tokens))
-assert logits.shape == (1, cfg.vocab_size) and kv["moe_layers"]["ckv"].shape[2] == L
+logits, cache = jax.block_until_ready(compiled(params, tokens, cache))
+assert logits.shape == (1, cfg.vocab_size) and int(cache.lengths[0]) == L
 print(time.perf_counter() - t, before / 1024, (status("VmHWM:") - before) / 1024)
 """
 

@@ -1,13 +1,12 @@
-"""Generation with the latent KV cache: incremental decoding equals the full forward, greedy equals
-transformers' generate, fixed shapes (no recompilation), sharded == single device, bad inputs."""
+"""Generation over the paged latent cache: greedy equals the full forward's argmax and transformers'
+generate, fixed shapes (no recompilation), sharded == single device, bad inputs."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax import K2Config, K2Model, abstract_params, generate
-from k2jax.inference.cache import cache_bytes, cache_shapes
+from k2jax import K2Config, K2Model, generate
 from k2jax.inference.generate import PAD_ID, bucket_length
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
@@ -29,31 +28,6 @@ def _full_logits(model, params, seqs):
     for b, s in enumerate(seqs):
         toks[b, :len(s)] = s
     return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(toks)))
-
-
-def test_incremental_decoding_reproduces_full_forward(model_params):
-    model, params = model_params
-    cont = np.asarray(jax.random.randint(jax.random.PRNGKey(5), (len(PROMPTS), 5), 0, TINY.vocab_size))
-    T, S = 16, 16 + 5
-    toks = np.zeros((len(PROMPTS), T), np.int32)
-    start = np.array([T - len(p) for p in PROMPTS])
-    for b, p in enumerate(PROMPTS):
-        toks[b, start[b]:] = p
-    pos = np.maximum(np.arange(T)[None] - start[:, None], 0)
-    prefill = jax.jit(lambda p, t, q, v: model.apply({"params": p}, t, q, v, method=K2Model.prefill))
-    decode = jax.jit(lambda p, t, q, v, c, i: model.apply({"params": p}, t, q, v, c, i, method=K2Model.decode))
-    logits, entries = prefill(params, toks, pos, np.arange(T)[None] >= start[:, None])
-    cache = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, S - T), (0, 0)]), entries)
-    steps = [logits]
-    valid = np.arange(S)[None] >= start[:, None]
-    for i in range(cont.shape[1]):
-        step, cache = decode(params, cont[:, i:i + 1], (T - start + i)[:, None], valid, cache, T + i)
-        steps.append(step[:, 0])
-    full = _full_logits(model, params, [p + list(c) for p, c in zip(PROMPTS, cont)])
-    for b, p in enumerate(PROMPTS):
-        want = full[b, len(p) - 1:len(p) + cont.shape[1]]
-        got = np.stack([s[b] for s in steps])
-        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_generate_is_argmax_of_full_forward(model_params):
@@ -79,27 +53,6 @@ def test_greedy_equals_transformers_generate(tmp_path, oracle):
     tokens, lengths = generate(K2Model(cfg), params, prompts, NEW)
     for j in range(len(prompts)):
         np.testing.assert_array_equal(tokens[j], want[f"generate.{j}"])
-
-
-def test_cache_holds_only_latents():
-    B, T, S = 2, 5, 12
-    model = K2Model(TINY, jnp.bfloat16)
-    params = abstract_params(TINY, jnp.bfloat16)
-    tok, pos = jax.ShapeDtypeStruct((B, T), jnp.int32), jax.ShapeDtypeStruct((B, T), jnp.int32)
-    _, entries = jax.eval_shape(lambda p, t, q: model.apply({"params": p}, t, q, jnp.ones((B, T), bool),
-                                                            method=K2Model.prefill), params, tok, pos)
-    R, P = TINY.kv_lora_rank, TINY.qk_rope_head_dim
-    nd, nm = TINY.num_dense_layers, TINY.num_moe_layers
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), entries) == {
-        "dense_layers": {"ckv": ((nd, B, T, R), jnp.bfloat16), "k_pe": ((nd, B, T, P), jnp.bfloat16)},
-        "moe_layers": {"ckv": ((nm, B, T, R), jnp.bfloat16), "k_pe": ((nm, B, T, P), jnp.bfloat16)}}
-    cache = cache_shapes(TINY, B, S, jnp.bfloat16)
-    _, new_cache = jax.eval_shape(
-        lambda p, t, q, c: model.apply({"params": p}, t, q, jnp.ones((B, S), bool), c, 3, method=K2Model.decode),
-        params, tok, pos, cache)
-    assert jax.tree.map(lambda x: (x.shape, x.dtype), new_cache) == jax.tree.map(lambda x: (x.shape, x.dtype), cache)
-    kimi = K2Config.from_hf_config(CONFIGS / "kimi_k2.json")
-    assert cache_bytes(kimi, 1, 1) == 61 * 576 * 2  # per token: 576 bf16 values per layer, nothing per head
 
 
 def test_no_compilation_after_first_step_or_for_prompts_in_the_bucket(model_params):
@@ -146,15 +99,19 @@ def test_stop_tokens_and_sampling(model_params):
     np.testing.assert_array_equal(generate(model, params, PROMPTS, NEW, temperature=2.0, top_p=1e-6)[0], greedy)
 
 
-def test_sharded_generation_equals_single_device(model_params):
+@pytest.mark.parametrize("spec", ["expert=8", "expert=4,tensor=2", "data=2,expert=4"])
+@pytest.mark.parametrize("prompts", [PROMPTS + [[9, 9], [4], [8, 1, 2], [3, 3, 3], [7]], PROMPTS])
+def test_sharded_generation_equals_single_device(model_params, spec, prompts):
+    """Rows (and their pages) split over the batch's mesh axes where they divide the batch (8 prompts), and
+    replicated where they do not (3): the same tokens as one device."""
     from k2jax.placement import param_shardings
     from k2jax.sharding import make_mesh
 
     model, params = model_params
-    mesh = make_mesh("expert=4,data=2")
-    sharded = jax.device_put(params, param_shardings(TINY, mesh))
-    want, want_len = generate(model, params, PROMPTS, NEW)
-    got, got_len = generate(model, sharded, PROMPTS, NEW, mesh=mesh)  # 3 prompts: a filler row makes 4
+    mesh = make_mesh(spec)
+    sharded = jax.device_put(params, param_shardings(TINY, mesh, warn=False))
+    want, want_len = generate(model, params, prompts, NEW)
+    got, got_len = generate(model, sharded, prompts, NEW, mesh=mesh)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_len, want_len)
 
@@ -180,8 +137,8 @@ def test_bad_inputs_raise(kwargs, match):
 
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_generate_command_on_one_device(tmp_path, quant):
-    """`k2jax generate --hf-checkpoint [--quant int4]` on one CPU device serves the split experts layout: same
-    tokens as generate() on the stacked params (with --quant int4: the FP8 experts requantized to INT4)."""
+    """`k2jax generate --hf-checkpoint [--quant int4]` on one CPU device: the same tokens as generate() on the
+    loaded params (with --quant int4: the FP8 experts requantized to INT4)."""
     import subprocess
     import sys
 

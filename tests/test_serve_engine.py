@@ -1,62 +1,184 @@
-"""The serving engine in-process: the float8 latent cache (e4m3 with a per-token scale) against the
-unquantized cache on the same decode step, and the float8 engine's cache bytes and output."""
+"""The serving engine in-process over the paged cache: batching, prefix reuse, preemption, the pool's
+limits, no recompiles, the float8 cache, and sharded steps. Outputs are checked against k2jax.generate on
+each prompt alone (greedy, float32), which the parity tests tie to transformers."""
+
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import k2jax
-from k2jax.inference.cache import pad_to_cache
-from k2jax.serving import device as dev
+from k2jax.ops.paged import _quantize
+from k2jax.serving import compiles
 from k2jax.serving.engine import Engine, Request, SamplingParams, generate_one
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
-
-def kv_cache_logit_error(cfg, params, dtype, prompt_len=24, seed=0):
-    """Logits of one decode step after a prompt, with the prefill's latents kept in `dtype` vs quantized to
-    e4m3 with a per-token scale: -> (max |difference|, std of the logits)."""
-    model = k2jax.K2Model(cfg, dtype)
-    tokens = jnp.asarray(np.random.default_rng(seed).integers(2, cfg.vocab_size, (1, prompt_len)), jnp.int32)
-    pos = jnp.arange(prompt_len)[None]
-    _, entries = model.apply({"params": params}, tokens, pos, jnp.ones_like(tokens, bool), method=k2jax.K2Model.prefill)
-    cache = pad_to_cache(entries, prompt_len + 1)
-    fp8 = jax.tree.map(lambda x: (lambda q, s: (q.astype(jnp.float32) * s[..., None]).astype(dtype))(*dev.quantize(x)),
-                       cache)
-    valid = jnp.ones((1, prompt_len + 1), bool)
-    step = lambda c: model.apply({"params": params}, tokens[:, -1:], pos[:, -1:] + 1, valid, c, prompt_len,  # noqa
-                                 method=k2jax.K2Model.decode)[0][0, 0]
-    ref, got = step(cache), step(fp8)
-    return float(jnp.max(jnp.abs(ref - got))), float(jnp.std(ref))
+CFG = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
+PAGE = 8
+N = 8  # tokens per request in these tests
 
 
-def test_float8_cache_logit_error_is_small():
-    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
-    params = random_params(cfg, jnp.bfloat16)
-    err, std = kv_cache_logit_error(cfg, params, jnp.bfloat16)
-    assert 0 < err < 0.1 * std, (err, std)  # measured ~2-3% of the logits' spread on this config
+@pytest.fixture(scope="module")
+def model_params():
+    return k2jax.K2Model(CFG, jnp.float32), random_params(CFG, jnp.float32, seed=3)
 
 
-def test_float8_engine_halves_the_cache_and_serves():
-    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
-    params = random_params(cfg, jnp.float32)
-    model = k2jax.K2Model(cfg, jnp.float32)
-    nbytes = lambda e: sum(x.nbytes for x in jax.tree.leaves(e.cache))  # noqa: E731
-    f8 = Engine(model, params, max_batch=2, max_len=32, prefill_chunk=16, kv_cache_dtype="float8")
-    bf = dev.slot_cache(cfg, 2, 32, jnp.float32, "bfloat16")
-    latents = sum(x.nbytes for x in jax.tree.leaves(f8.cache) if x.ndim == 4)
-    assert latents * 2 == sum(x.nbytes for x in jax.tree.leaves(bf))
-    # plus two float32 scales per token and layer: for K2's 576-wide latent, 0.507x the bf16 cache
-    assert nbytes(f8) - latents == cfg.num_hidden_layers * 2 * 33 * 2 * 4
-    f8.warm_up()
-    ids, _, reason = generate_one(f8, [5, 6, 7, 8], SamplingParams(max_tokens=6))
-    want, _ = k2jax.generate(model, params, [[5, 6, 7, 8]], 6)
-    assert reason == "length" and len(ids) == 6
-    assert ids[0] == int(want[0][0])  # the first token comes from the prefill's own latents
+@pytest.fixture(scope="module")
+def solo(model_params):
+    """Greedy output of generate on one prompt alone (cached per prompt)."""
+    model, params = model_params
+    memo = {}
+
+    def run(prompt, n=N):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = [int(t) for t in k2jax.generate(model, params, [prompt], n, max_len=64)[0][0]]
+        return memo[key]
+
+    return run
+
+
+def _engine(model_params, **kw):
+    model, params = model_params
+    args = dict(max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE, kv_tokens=4096) | kw
+    return Engine(model, params, **args)
+
+
+def _run(eng, prompts, n=N, **sp):
+    """Submit all prompts at once and step until every one finished -> (token ids, events) per prompt."""
+    events = {i: [] for i in range(len(prompts))}
+    reqs = [Request(list(p), SamplingParams(max_tokens=n, **sp), events[i].append) for i, p in enumerate(prompts)]
+    eng.submit(*reqs)
+    while any(not (e and e[-1].finish_reason) for e in events.values()):
+        eng.step()
+    return [[t for e in events[i] for t in e.token_ids] for i in range(len(prompts))], events
+
+
+def _prompts(seed, lengths):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+def _record_shapes(eng):
+    shapes = []
+    step = eng.runner.step
+    eng.runner.step = lambda shape, batch: shapes.append(shape) or step(shape, batch)
+    return shapes
+
+
+def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows(model_params, solo):
+    """Three requests submitted together while nothing decodes: one batched first chunk (a bucket of 4 rows,
+    one spare), the long prompt's second chunk while the others decode, then decodes over buckets of the live
+    rows as requests finish. Every output equals generate on its prompt alone."""
+    eng = _engine(model_params)
+    shapes = _record_shapes(eng)
+    prompts = _prompts(0, (5, 21, 9))
+    got, _ = _run(eng, prompts)
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p), i
+    assert (shapes[0].rows, shapes[0].tokens, shapes[0].read_pages) == (4, 16, 0)  # all three at once
+    later = [s for s in shapes if s.tokens > 1 and s.read_pages > 0]
+    assert [(s.rows, s.tokens) for s in later] == [(1, 16)]  # the long prompt's last 5 tokens
+    assert {s.rows for s in shapes if s.tokens == 1} == {2, 4}  # 2 decoding while it prefills, then all 3
+
+
+def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefill(model_params):
+    """batch_wait_s: requests 50 ms apart (as over HTTP) reach an idle running engine; its first step
+    prefills all three together."""
+    eng = _engine(model_params, batch_wait_s=2.0)
+    shapes = _record_shapes(eng)
+    done, got = threading.Event(), []
+    thread = threading.Thread(target=eng.run, daemon=True)
+    thread.start()
+    try:
+        for i in range(3):
+            eng.submit(Request([5 + i, 6, 7], SamplingParams(max_tokens=2),
+                               lambda e: got.append(e) or (e.finish_reason and len(got) >= 6 and done.set())))
+            time.sleep(0.05)
+        assert done.wait(300)
+    finally:
+        eng.stop()
+        thread.join(60)
+    assert shapes[0].rows == 4 and shapes[0].read_pages == 0, shapes  # all three in the first prefill
+    assert sum(e.finish_reason == "length" for e in got) == 3
+
+
+def test_prefix_reuse_is_exact(model_params, solo):
+    """A prompt whose first pages are cached skips them: with a full-page hit (the whole prompt but its last
+    token), a partial hit (a shared first page, then different tokens), and a hit on pages that were evicted
+    and recomputed, the greedy output equals the output without reuse."""
+    eng = _engine(model_params, kv_tokens=8 * PAGE * 4)  # 8 pages per slot: evictions under load
+    base = _prompts(1, (33,))[0]  # 4 full pages and a token
+    got, ev = _run(eng, [base])
+    assert got[0] == solo(base) and ev[0][-1].cached_tokens == 0
+    # full hit: the same prompt again reuses its 4 full pages (32 tokens)
+    got, ev = _run(eng, [base])
+    assert got[0] == solo(base) and ev[0][-1].cached_tokens == 32
+    # partial hit: the first page shared, then other tokens
+    other = base[:PAGE] + _prompts(2, (20,))[0]
+    got, ev = _run(eng, [other])
+    assert got[0] == solo(other) and ev[0][-1].cached_tokens == PAGE
+    # evict: fill the pool with other prompts, then the base prompt's pages are gone and recomputed
+    _run(eng, _prompts(3, (60, 60, 60, 60)), n=2)
+    hits = eng.pool.hits
+    got, ev = _run(eng, [base])
+    assert got[0] == solo(base)
+    assert ev[0][-1].cached_tokens < 32 and eng.pool.hits - hits == ev[0][-1].cached_tokens
+    got, ev = _run(eng, [base])  # and cached again
+    assert got[0] == solo(base) and ev[0][-1].cached_tokens == 32
+
+
+def test_preemption_loses_nothing(model_params, solo):
+    """A pool too small for the offered load: requests are preempted (pages freed, recomputed later), every
+    request completes with its output alone, and no page leaks."""
+    eng = _engine(model_params, kv_tokens=12 * PAGE, prefix_cache=False)  # 12 pages for 4 rows of up to 7
+    prompts = _prompts(4, (30, 25, 40, 9, 17, 33))
+    got, ev = _run(eng, prompts, n=12)
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p, 12), i
+        assert ev[i][-1].finish_reason == "length"
+    assert eng.sched.preemptions > 0
+    assert eng.pool.free_count() == eng.pool.num_pages - eng.pool.shards  # every page back, trash pages apart
+    assert eng.pool.in_use_count() == 0
+
+
+def test_a_request_larger_than_the_pool_is_refused(model_params):
+    eng = _engine(model_params, kv_tokens=4 * PAGE)
+    with pytest.raises(ValueError, match="exceeds the KV cache pool"):
+        eng.submit(Request(list(range(2, 30)), SamplingParams(max_tokens=8), lambda e: None))
+    eng.submit(Request(list(range(2, 20)), SamplingParams(max_tokens=8), lambda e: None))  # fits: accepted
+
+
+def test_no_recompiles_after_warm_up(model_params):
+    """After warm_up, requests of random lengths and settings arriving and leaving compile nothing."""
+    compiles.install()
+    eng = _engine(model_params, max_len=48)
+    eng.warm_up()
+    before = compiles.count()
+    rng = np.random.default_rng(5)
+    pending = []
+    for wave in range(4):
+        for _ in range(int(rng.integers(1, 5))):
+            p = rng.integers(2, CFG.vocab_size, int(rng.integers(1, 40))).tolist()
+            n = int(rng.integers(1, 48 - len(p) + 1))
+            sp = SamplingParams(max_tokens=n, temperature=float(rng.choice([0, 0.7])), seed=int(rng.integers(9)),
+                                top_k=int(rng.choice([0, 5])), frequency_penalty=float(rng.choice([0, 0.5])))
+            done = []
+            eng.submit(Request(p, sp, done.append))
+            pending.append(done)
+        for _ in range(int(rng.integers(1, 6))):
+            eng.step()
+    while any(not (d and d[-1].finish_reason) for d in pending):
+        eng.step()
+    assert compiles.count() == before, f"{compiles.count() - before} compilations after warm-up"
 
 
 def e4m3_round_trip(x):
-    """An e4m3 round trip written out in float64: a per-token scale amax / 448, 3 mantissa bits rounded half
+    """An e4m3 round trip written out in float64: a scale amax / 448 per token, 3 mantissa bits rounded half
     to even, exponents clipped at e4m3's smallest normal (2^-6; subnormals step 2^-9)."""
     x = np.asarray(x, np.float64)
     s = np.maximum(np.abs(x).max(-1, keepdims=True), 1e-12) / 448.0
@@ -66,73 +188,50 @@ def e4m3_round_trip(x):
 
 
 def test_float8_cache_quantization_equals_an_e4m3_round_trip():
-    # tokens of very different ranges, as ckv and k_pe of a real model have (each is quantized on its own)
+    """Each token's ckv (first R values) and k_pe (the rest) quantized on their own scale, as an e4m3 round
+    trip written out in float64."""
+    R = 48
     x = np.random.default_rng(0).standard_normal((4, 6, 64)) * np.logspace(-3, 2, 6)[None, :, None]
-    x[0, 0, 3] = 40.0  # one outlier sets its token's scale
-    q, s = dev.quantize(jnp.asarray(x, jnp.float32))
-    got = np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[..., None]
-    want = e4m3_round_trip(np.asarray(x, np.float32))
-    np.testing.assert_allclose(np.asarray(s), np.abs(np.asarray(x, np.float32)).max(-1) / 448, rtol=1e-6)
+    x[0, 0, 3] = 40.0  # one outlier sets its token's ckv scale
+    x[..., R:] *= 0.01  # k_pe of another range
+    q, s = _quantize(jnp.asarray(x, jnp.float32), R)
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    got = np.concatenate([q[..., :R] * np.asarray(s)[..., :1], q[..., R:] * np.asarray(s)[..., 1:]], -1)
+    x32 = np.asarray(x, np.float32)
+    want = np.concatenate([e4m3_round_trip(x32[..., :R]), e4m3_round_trip(x32[..., R:])], -1)
+    np.testing.assert_allclose(np.asarray(s)[..., 0], np.abs(x32[..., :R]).max(-1) / 448, rtol=1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
     assert not np.allclose(got, x, rtol=1e-3)  # lossy: really rounded to 3 mantissa bits
 
 
-def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows():
-    """Three requests submitted together while nothing decodes: one batched prefill (a bucket of 4 rows, one
-    spare; the long prompt takes a second chunk); then the decodes run over 2 of the 4 slots, all 4 (in
-    place) and 1, as requests join and finish. Every output equals generate on its prompt alone."""
-    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
-    params = random_params(cfg, jnp.float32, seed=3)
-    model = k2jax.K2Model(cfg, jnp.float32)
-    eng = Engine(model, params, max_batch=4, max_len=48, prefill_chunk=16)
-    shapes = []
-    for name in ("_prefill_first", "_prefill_next", "_decode_rows", "_decode"):
-        step = getattr(eng, name)
-        setattr(eng, name, lambda *a, _s=step, _n=name: shapes.append((_n, a[3].shape)) or _s(*a))
-    rng = np.random.default_rng(0)
-    jobs = [(rng.integers(2, cfg.vocab_size, n).tolist(), m) for n, m in ((5, 9), (21, 6), (9, 5))]
-    got = {}
-    for i, (p, m) in enumerate(jobs):
-        got[i] = []
-        eng.submit(Request(p, SamplingParams(max_tokens=m), lambda e, i=i: got[i].extend(e.token_ids)))
-    while any(eng.slots) or eng.waiting or eng._inbox:
-        eng.step()
-    for i, (p, m) in enumerate(jobs):
-        want, _ = k2jax.generate(model, params, [p], 9)  # one max_new_tokens: fewer compiles; greedy is a prefix
-        assert got[i] == [int(t) for t in want[0][:m]], i
-    assert shapes[0] == ("_prefill_first", (4, 16))  # all three at once
-    assert [s for s in shapes if s[0] == "_prefill_next"] == [("_prefill_next", (1, 16))]  # the long prompt's
-    # last 5 tokens, while the others decode
-    decodes = [s for s in shapes if s[0].startswith("_decode")]
-    assert decodes[:2] == [("_decode_rows", (2,)), ("_decode", (4,))]
-    assert set(decodes) == {("_decode_rows", (2,)), ("_decode", (4,)), ("_decode_rows", (1,))}
+def test_float8_engine_halves_the_pool_and_serves(model_params, solo):
+    model, params = model_params
+    f8 = _engine(model_params, kv_cache_dtype="float8", kv_tokens=512)
+    f32 = _engine(model_params, kv_cache_dtype="float32", kv_tokens=512)
+    nbytes = lambda e: sum(x.nbytes for x in jax.tree.leaves(e.runner.state["pages"]))  # noqa: E731
+    scales = sum(x.nbytes for x in jax.tree.leaves(f8.runner.state["scales"]))
+    assert nbytes(f8) * 4 == nbytes(f32)
+    assert scales == CFG.num_hidden_layers * f8.pool.num_pages * PAGE * 2 * 4  # two float32 scales per token
+    prompt = [5, 6, 7, 8]
+    ids, _, reason = generate_one(f8, prompt, SamplingParams(max_tokens=6))
+    assert reason == "length" and len(ids) == 6
+    assert ids[0] == solo(prompt)[0]  # the first token comes from the prefill's own latents
 
 
-def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefill():
-    """batch_wait_s: requests 50 ms apart (as over HTTP, where a burst comes in over milliseconds) reach an
-    idle engine that is running; the first step prefills all three together."""
-    import threading
-    import time
-
-    cfg = k2jax.K2Config.from_hf_config(CONFIGS / "tiny.json")
-    params = random_params(cfg, jnp.float32, seed=3)
-    model = k2jax.K2Model(cfg, jnp.float32)
-    eng = Engine(model, params, max_batch=4, max_len=48, prefill_chunk=16, batch_wait_s=2.0)
-    shapes = []
-    first = eng._prefill_first
-    eng._prefill_first = lambda *a: shapes.append(a[3].shape) or first(*a)
-    done = threading.Event()
-    got = []
-    thread = threading.Thread(target=eng.run, daemon=True)
-    thread.start()
-    try:
-        for i in range(3):
-            eng.submit(Request([5 + i, 6, 7], SamplingParams(max_tokens=2),
-                               lambda e: got.append(e) or (e.finish_reason and len(got) >= 6 and done.set())))
-            time.sleep(0.05)
-        assert done.wait(120)
-    finally:
-        eng.stop()
-        thread.join(60)
-    assert shapes[0] == (4, 16), shapes  # all three in the first prefill
-    assert sum(e.finish_reason == "length" for e in got) == 3
+@pytest.mark.parametrize("spec", ["expert=8", "data=2,expert=4", "expert=4,tensor=2"])
+def test_sharded_engine_equals_one_device(model_params, solo, spec):
+    """The server's steps with slots and pages split over the batch's mesh axes (and a lone request
+    replicated): the same outputs as one device."""
+    model, params = model_params
+    mesh = k2jax.make_mesh(spec)
+    sharded = jax.device_put(params, k2jax.param_shardings(CFG, mesh, warn=False))
+    eng = Engine(model, sharded, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE, kv_tokens=8 * 256,
+                 mesh=mesh)
+    assert eng.max_batch == {"expert=8": 8, "data=2,expert=4": 8, "expert=4,tensor=2": 4}[spec]  # whole shards
+    prompts = _prompts(6, (5, 21, 9, 30, 2, 12, 7, 16, 3))
+    with k2jax.use_mesh(mesh):
+        got, _ = _run(eng, prompts)
+        lone, _ = _run(eng, prompts[:1])
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p), i
+    assert lone[0] == solo(prompts[0])

@@ -20,9 +20,11 @@ then belongs to shard b // (B / shards), and its slot and pages must lie in that
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -148,14 +150,25 @@ class Runner:
         with self._context():
             return fn.lower(params, state, batch)
 
-    def compile(self, shapes, on_progress=None) -> float:
-        """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each."""
+    def compile(self, shapes, on_progress=None, threads: int | None = None) -> float:
+        """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each.
+        Programs are traced here and compiled on `threads` threads at once (default: the CPU count, at most
+        4): XLA compiles one program on one core."""
         t0 = time.perf_counter()
         todo = [s for s in dict.fromkeys(shapes) if s not in self._compiled]
-        for i, shape in enumerate(todo, 1):
-            self._compiled[shape] = self.lower(shape).compile()
-            if on_progress is not None:
-                on_progress(i, len(todo), shape)
+        if not todo:
+            return 0.0
+        threads = threads or min(4, os.cpu_count() or 1)
+        lowered = {}
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {}
+            for shape in todo:  # tracing is quick, and not thread-safe with the mesh context: here
+                lowered[shape] = self.lower(shape)
+                futures[pool.submit(lowered[shape].compile)] = shape
+            for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
+                self._compiled[futures[f]] = f.result()
+                if on_progress is not None:
+                    on_progress(i, len(todo), futures[f])
         return time.perf_counter() - t0
 
     def step(self, shape: StepShape, batch: dict) -> dict:

@@ -1,22 +1,24 @@
-"""Continuous batching: requests join and leave a fixed set of decode slots between engine steps.
+"""Continuous batching over the paged latent cache: requests join and leave between engine steps.
 
-One engine step = prefill chunks + one decode token for every live slot. While slots decode, a step
-prefills at most `prefill_chunk` prompt tokens in all, so a long prompt never stalls the running decodes;
-while none does, every prefilling request gets a chunk in one batch. The decode runs over the smallest
-bucket of rows that holds the live slots. Everything on the device has static shapes
-(k2jax.serving.device): nothing compiles after `warm_up`, however requests come and go.
+The engine ties the scheduler (k2jax.serving.scheduler: which rows run, their pages, the prefix cache,
+preemption; plain Python) to the runner (k2jax.inference.runner: the jitted steps, the same ones
+`k2jax.generate` runs). One engine step = the scheduler's calls (prompt chunks, then one decode over every
+decoding row), dispatched to the device, then each row's sampled token turned into an Event (text made
+incrementally by k2jax.serving.detok, stop ids and strings, max_tokens, logprobs). Everything on the device
+has static shapes (the scheduler's `shapes`, all compiled by `warm_up`): nothing compiles afterwards,
+however requests come and go.
 
-The engine is driven by one thread (`run`); other threads call `submit` and `cancel`, which only touch a
-lock-protected inbox. Each request reports through its `on_event(Event)` callback, called on the engine
-thread: keep it short (the HTTP layer hands the event to its event loop).
+The engine is driven by one thread (`run`); other threads call `submit`, `cancel`, `abort_all` and `stop`,
+which only touch a lock-protected inbox. Each request reports through its `on_event(Event)` callback, called
+on the engine thread: keep it short (the HTTP layer hands the event to its event loop).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -24,8 +26,16 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from k2jax.serving import device as dev
+from k2jax.inference import sampling
+from k2jax.inference.cache import kv_bytes_per_token, shard_count
+from k2jax.inference.runner import Runner, host_batch
+from k2jax.serving.detok import NoText, TokenText
 from k2jax.serving.metrics import Metrics
+from k2jax.serving.pages import PagePool
+from k2jax.serving.scheduler import Call, Scheduler, Seq
+from k2jax.sharding import use_mesh
+
+DEFAULT_PAGE_SIZE = 64
 
 
 class QueueFull(Exception):
@@ -35,21 +45,41 @@ class QueueFull(Exception):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request settings. temperature 0 = greedy; top_k 0 = all; stop_ids end the output (not included in
-    the text); stop strings are matched on the detokenized text and cut from it."""
+    the text); stop strings are matched on the detokenized text and cut from it (neither before min_tokens).
+    The penalties count the request's own generated tokens (repetition_penalty the prompt's too);
+    logit_bias: (token id, bias in [-100, 100]) pairs, at most 300; logprobs None = none, k >= 0 = the
+    sampled token's logprob and the top k (k <= 20), from the distribution sampled from
+    (k2jax.inference.sampling). grammar: a structured-output spec the engine's grammar compiler turns into a
+    per-request token mask ({"response_format": ..., "tools": ..., "tool_choice": ...}; JSON-able, so that
+    every process of a multi-host server builds the same mask)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    min_p: float = 0.0
+    seed: int = 0  # the API draws a random 63-bit seed when the request has none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    grammar: dict | None = None
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclasses.dataclass
 class Event:
     """What a request gets after each of its engine steps: new text and token ids; finish_reason set on the
-    last one ("stop" | "length" | "cancelled" | "error")."""
+    last one ("stop" | "length" | "cancelled" | "abort" | "error"). logprobs (when params.logprobs is not
+    None): one {"token_id", "logprob", "top": [[token_id, logprob], ...]} per token of token_ids."""
 
     text: str
     token_ids: list[int]
@@ -57,9 +87,11 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list[dict] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
     prompt: list[int]
     params: SamplingParams
@@ -67,55 +99,73 @@ class Request:
     id: int = dataclasses.field(default_factory=lambda: next(_IDS))
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     # engine-side state
-    slot: int = -1
-    done_prompt: int = 0  # prompt tokens prefilled so far
+    seq: Seq | None = None
+    detok: object = None  # its k2jax.serving.detok.Detokenizer, made at its first token
+    matcher: object = None  # its grammar matcher (structured output), made at submission
     out: list[int] = dataclasses.field(default_factory=list)  # generated ids (stop id included)
-    text_ids: list[int] = dataclasses.field(default_factory=list)  # those that make the text
-    sent: int = 0  # characters of the text already reported
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    cached_tokens: int = 0
     finished: bool = False
 
 
 _IDS = itertools.count()
 
 
+def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, mesh=None) -> int:
+    """The pool's size when neither --kv-tokens nor --kv-memory is given: 90% of the devices' free memory
+    (after the weights) in tokens, where the devices report it; on a host without that figure (XLA:CPU),
+    max_batch x max_len tokens."""
+    devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
+    stats = [d.memory_stats() or {} for d in devices]
+    if stats and all("bytes_limit" in s for s in stats):
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        shards = shard_count(mesh, max_batch)
+        per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype)
+        return max(max_len, int(0.9 * free / per_token) * shards)
+    return max_batch * max_len
+
+
 class Engine:
-    """max_batch slots over one [max_batch, max_len] latent cache. `decode(ids) -> str` detokenizes (for
-    stop strings and streamed text); `mesh` splits the slots over 'data' (params already placed on it);
+    """`max_batch` slots (rows decoded together) over a pool of `kv_tokens` tokens of paged latent cache
+    (default: default_kv_tokens) in pages of `page_size` tokens; at most `max_len` tokens per request.
+    `detok` (a detok.TokenText) turns each request's tokens into text incrementally; `mesh` splits the slots
+    and the pool over the batch's mesh axes (params already placed on it); `prefix_cache`: reuse the full
+    pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
     `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 decode: Callable[[Sequence[int]], str] = lambda ids: "", kv_cache_dtype: str = "auto",
-                 mesh=None, max_queue: int = 256, metrics: Metrics | None = None, sync=None,
-                 batch_wait_s: float = 0.0):
-        if max_batch < 1 or max_len < 2 or prefill_chunk < 1:
-            raise ValueError(f"need max_batch >= 1, max_len >= 2 and prefill_chunk >= 1, got {max_batch}, "
-                             f"{max_len}, {prefill_chunk}")
+                 detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
+                 metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None):
+        if max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1:
+            raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) and page_size "
+                             f"({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
         self.model, self.params, self.mesh = model, params, mesh
-        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
-        self.batch_wait_s = batch_wait_s
+        self.max_len, self.max_queue, self.batch_wait_s = max_len, max_queue, batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
-        self.detok = decode
-        self.metrics = metrics or Metrics(max_batch)
-        self.sync = sync  # multi-host: agrees on each step's admissions and cancellations (k2jax.serving.multihost)
-        dt = params["embed_tokens"].dtype
-        self._rep = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        self.cache = dev.slot_cache(model.cfg, max_batch, max_len, dt, kv_cache_dtype, mesh)
-        steps = dev.make_steps(model, max_len)
-        # The cache comes back laid out as it went in: one executable per step kind and shape, however often
-        # it runs.
-        out = None if mesh is None else (jax.tree.map(lambda x: x.sharding, self.cache), self._rep)
-        self._prefill_first, self._prefill_next, self._decode_rows, self._decode = (
-            jax.jit(f, donate_argnums=(1,), out_shardings=out) for f in steps)
-        self.row_buckets = dev.row_buckets(max_batch)
-        self.chunk_sizes = dev.chunk_sizes(self.prefill_chunk)
-        self.slots: list[Request | None] = [None] * max_batch
-        self.tokens = np.zeros(max_batch, np.int32)  # each live slot's next input token
-        self.pos = np.zeros(max_batch, np.int32)  # and its position
-        self.samp = dev.samp_arrays(max_batch)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.prefilling: collections.deque[Request] = collections.deque()
+        self.detok, self.grammars, self.sync = detok, grammars, sync
+        kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
+        slots = _round_up(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
+        shards = shard_count(mesh, slots)
+        self.max_batch = slots
+        if kv_tokens is None:
+            kv_tokens = default_kv_tokens(model, slots, max_len, kv_dtype if kv_dtype != "auto" else
+                                          str(params["embed_tokens"].dtype), mesh)
+        per_shard = -(-kv_tokens // (shards * page_size))  # pages per shard, its trash page apart
+        if per_shard * page_size < min(max_len, page_size):
+            raise ValueError(f"a KV pool of {kv_tokens} tokens cannot hold one page per shard")
+        self.pool = PagePool(shards * (1 + per_shard), shards, page_size, prefix_cache)
+        self.kv_tokens = shards * per_shard * page_size
+        self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=page_size,
+                             kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
+        self.kv_cache_dtype = self.runner.kv_dtype
+        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk)
+        self.metrics = metrics or Metrics(slots)
+        self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []
         self._cancels: set[int] = set()
+        self._aborting = False  # abort_all: every request, and any submitted later, ends with "abort"
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = False
@@ -133,22 +183,46 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_len:
             raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the server's max_len of {self.max_len} tokens")
+        if not self.sched.fits(len(prompt) + params.max_tokens):
+            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the KV cache pool ({self.pool.capacity() * self.pool.page_size} tokens "
+                             f"per data-parallel shard; --kv-tokens / --kv-memory set it)")
+        sampling.set_row(sampling.default_rows(1), 0, **self._row_settings(params, 0))  # raises on bad values
 
-    def submit(self, req: Request) -> None:
-        """Queue a request (checked first). Raises ValueError for a bad one, QueueFull when the queue is full."""
-        self.check(req.prompt, req.params)
+    def submit(self, *reqs: Request) -> None:
+        """Queue requests, all or none (each checked first). Raises ValueError for a bad one, QueueFull when
+        they would put more than max_queue requests in the queue. The queue is what waits beyond the free
+        slots: requests about to take a free slot are not counted."""
+        for req in reqs:
+            self.check(req.prompt, req.params)
+            if req.params.grammar is not None and req.matcher is None:
+                if self.grammars is None:
+                    raise ValueError("response_format: structured output needs a tokenizer (--tokenizer DIR)")
+                req.matcher = self.grammars.for_request(**req.params.grammar).matcher()
         with self._lock:
-            if len(self._inbox) + len(self.waiting) >= self.max_queue:
-                self.metrics.rejected += 1
-                raise QueueFull(f"{self.max_queue} requests already waiting")
-            self._inbox.append(req)
-            self.metrics.requests += 1
+            if self._queued() + len(reqs) > self.max_queue:
+                self.metrics.rejected += len(reqs)
+                raise QueueFull(f"{self.max_queue} requests already waiting for a slot")
+            self._inbox.extend(reqs)
+            self.metrics.requests += len(reqs)
             self._wake.notify()
 
+    def _queued(self) -> int:
+        """Requests waiting beyond the free slots (called with the lock held)."""
+        free = sum(s is None for s in self.sched.slot_seq)
+        return max(0, len(self._inbox) + len(self.sched.waiting) - free)
+
     def cancel(self, req: Request) -> None:
-        """Drop a request (client gone): its slot is freed at the next step."""
+        """Drop a request (client gone): its slot and pages are freed at the next step."""
         with self._lock:
             self._cancels.add(req.id)
+            self._wake.notify()
+
+    def abort_all(self) -> None:
+        """End every request at the next step, and any submitted later at the step after it arrives, with
+        finish_reason "abort" (the server is shutting down)."""
+        with self._lock:
+            self._aborting = True
             self._wake.notify()
 
     def stop(self) -> None:
@@ -157,55 +231,30 @@ class Engine:
             self._wake.notify()
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + len(self._inbox)
+        with self._lock:
+            return self._queued()
+
+    def busy(self) -> bool:
+        """Whether any request is queued or running."""
+        with self._lock:
+            return self._busy()
 
     # --- the engine thread ------------------------------------------------------------------------
     def _context(self):
-        """The mesh context the steps are traced under. Thread-local: entered on the thread that steps, or
-        the engine thread would trace (and compile) other programs than warm_up did."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        from k2jax.sharding import use_mesh
+        """The mesh context the steps are traced under. Thread-local: entered on the thread that steps."""
+        return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
 
-        return use_mesh(self.mesh)
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Compile every step the scheduler can ask for; -> seconds. progress(k, n, what) after the k-th of
+        n programs compiled."""
+        def report(k, n, shape):
+            if progress is not None:
+                what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
+                        f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
+                progress(k, n, f"{what}, reading {shape.read_pages * self.pool.page_size} cached tokens")
 
-    def warm_up(self) -> float:
-        """Compile every step (each prefill chunk size and the decode step) on dummy inputs; -> seconds."""
         with self._context():
-            return self._warm_up()
-
-    def _warm_up(self) -> float:
-        t0 = time.perf_counter()
-        outs = []
-        for first, rows, c in self._prefill_shapes():
-            zeros = np.zeros(rows, np.int32)  # length 0: writes nothing
-            step, args = ((self._prefill_first, (zeros, np.zeros((rows, c), np.int32), zeros)) if first else
-                          (self._prefill_next, (zeros, np.zeros((rows, c), np.int32), zeros, zeros)))
-            self.cache, tok = step(self.params, self.cache, *self._put(*args, dev.samp_arrays(rows)))
-            outs.append(tok)
-        for k in self.row_buckets[:-1]:
-            self.cache, toks = self._decode_rows(self.params, self.cache, *self._put(
-                np.arange(k, dtype=np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32), np.zeros(k, bool),
-                dev.samp_arrays(k)))
-            outs.append(toks)
-        self.cache, toks = self._decode(self.params, self.cache, *self._put(
-            self.tokens, self.pos, np.zeros(self.max_batch, bool), self.samp))
-        jax.block_until_ready(outs + [toks])
-        return time.perf_counter() - t0
-
-    def _prefill_shapes(self) -> list[tuple[bool, int, int]]:
-        """(first chunk?, rows, chunk) of every prefill program: one slot's first chunk at each chunk size, a
-        bucket of slots' first chunks at the full chunk (the batch when nothing decodes), and one slot's later
-        chunk at the full chunk."""
-        return ([(True, 1, c) for c in self.chunk_sizes] + [(True, b, self.prefill_chunk) for b in self.row_buckets[1:]]
-                + [(False, 1, self.prefill_chunk)])
-
-    def _put(self, *host):
-        """Host inputs of a step, replicated over the mesh (under jax.distributed every process passes the
-        same values)."""
-        if self._rep is None:
-            return host
-        return jax.device_put(host, self._rep)
+            return self.runner.compile(self.sched.shapes(), report)
 
     def run_follower(self) -> None:
         """A process other than 0 under jax.distributed: step whenever process 0 does, until it stops."""
@@ -231,11 +280,11 @@ class Engine:
             self.step()
 
     def _gather_burst(self) -> None:
-        """Called with the lock held. When the slots are empty, wait up to batch_wait_s for requests arriving
-        with the first (over HTTP a burst comes in over milliseconds), so that the first step prefills them
-        in one batch instead of one now and the rest behind its decodes. Ends when a quarter of the wait
-        passes with no new arrival, or when the requests fill the slots."""
-        if self.batch_wait_s <= 0 or any(self.slots) or self.waiting:
+        """Called with the lock held. When nothing runs, wait up to batch_wait_s for requests arriving with
+        the first (over HTTP a burst comes in over milliseconds), so that the first step prefills them in one
+        batch instead of one now and the rest behind its decodes. Ends when a quarter of the wait passes with
+        no new arrival, or when the requests fill the slots."""
+        if self.batch_wait_s <= 0 or self.sched.live() or self.sched.waiting:
             return
         end = time.perf_counter() + self.batch_wait_s
         seen = len(self._inbox)
@@ -246,186 +295,164 @@ class Engine:
             seen = len(self._inbox)
 
     def _busy(self) -> bool:
-        return bool(self._inbox or self._cancels or self.waiting or self.prefilling or any(self.slots))
+        return bool(self._inbox or self._cancels or self.sched.waiting or self.sched.live())
 
     def step(self) -> None:
-        """One engine step: take in new requests and cancellations, prefill, decode."""
+        """One engine step: take in new requests and cancellations, admit, run the scheduler's calls."""
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+            aborted = set()
+            if self._aborting:
+                aborted = {r.id for r in new} | {s.req.id for s in [*self.sched.waiting, *self.sched.live()]}
+        cancels |= aborted
         if self.sync is not None:
             new, cancels = self.sync(new, cancels)
             if self.sync.stopped:
                 return
-        self.waiting.extend(new)
-        if cancels:
-            self._drop(cancels)
-        self._admit()
+        with self._lock:  # submit counts free slots: a request is in `waiting` or in a slot, never neither
+            for r in new:
+                if r.params.grammar is not None and r.matcher is None:  # a follower process builds its own
+                    r.matcher = self.grammars.for_request(**r.params.grammar).matcher()
+                r.seq = Seq(r, list(r.prompt), len(r.prompt), reuse=not r.params.penalized)
+                self.sched.add(r.seq)
+            if cancels:
+                self._drop(cancels, aborted)
+            admitted = [s for s in self.sched.waiting]
+            self.sched.admit()
+        now = time.perf_counter()
+        for s in admitted:
+            if s.slot >= 0 and s.req.cached_tokens == 0 and s.preemptions == 0:
+                s.req.cached_tokens = s.cached
+                self.metrics.observe_queue(now - s.req.arrived)
+        self._gauges()
         t0 = time.perf_counter()
-        self._prefill_some()
-        self._decode_live()
-        self.metrics.observe_step(time.perf_counter() - t0)
+        done = []
+        for call in self.sched.plan():
+            batch = host_batch(call.shape, self.model.cfg.vocab_size)
+            self.sched.inputs(call, batch)
+            self._sampling(call, batch)
+            done.append((call, self.runner.step(call.shape, batch)))
+            self.sched.advance(call)
+        for call, out in done:
+            self._emit(call, out)
+        if done:
+            self.metrics.observe_step(time.perf_counter() - t0)
+        self._gauges()
+
+    def _sampling(self, call: Call, batch: dict) -> None:
+        """Each sampling row's settings and grammar mask."""
+        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+            if seq is None:
+                continue
+            r = seq.req
+            sampling.set_row(batch["samp"], i, **self._row_settings(r.params, seq.generated))
+            if samples and r.matcher is not None:
+                r.matcher.fill_bitmask(batch["bitmask"][i])
+
+    def _row_settings(self, p: SamplingParams, step: int) -> dict:
+        return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed % 2**32,
+                    step=step, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
+                    stop_ids=p.stop_ids[:sampling.MAX_STOP_IDS] if p.min_tokens else (),
+                    logit_bias=p.logit_bias, top_logprobs=p.logprobs or 0, vocab_size=self.model.cfg.vocab_size)
+
+    def _emit(self, call: Call, out: dict) -> None:
+        """Hand each sampling row's new token to its request."""
+        if not any(call.samples):
+            return
+        tokens = _host(out["tokens"])
+        want_lp = any(s is not None and s.req.params.logprobs is not None for s, _ in call.rows)
+        lp = {k: _host(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if want_lp else None
+        masked = _host(out["all_masked"]) if "all_masked" in out else np.zeros(len(tokens), bool)
+        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+            if samples and not seq.finished and not seq.req.finished:
+                seq.tokens.append(int(tokens[i]))
+                lps = None if lp is None or seq.req.params.logprobs is None else \
+                    _logprobs(lp, i, int(tokens[i]), seq.req.params.logprobs)
+                self._emit_token(seq.req, int(tokens[i]), lps, bool(masked[i]))
+
+    def _emit_token(self, r: Request, tok: int, logprobs, masked: bool) -> None:
+        """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text
+        comes from r.detok, which costs the same per token however long the output is."""
+        now = time.perf_counter()
+        if not r.out:
+            r.first_token_at = now
+            self.metrics.observe_ttft(now - r.arrived)
+        else:
+            self.metrics.observe_itl(now - r.last_token_at)
+        r.last_token_at = now
+        r.out.append(tok)
+        self.metrics.generation_tokens += 1
+        if r.matcher is not None:
+            r.matcher.accept(tok)
+        p = r.params
+        if r.detok is None:
+            r.detok = self.detok.stream(p.skip_special_tokens, p.stop) if self.detok is not None else NoText()
+        stops = len(r.out) >= p.min_tokens  # no stop before min_tokens (the device keeps stop ids out)
+        reason = None
+        if masked:  # nothing was allowed (a grammar with no way on): end here
+            reason, text = "stop", r.detok.flush()
+        elif stops and tok in p.stop_ids:
+            reason, text = "stop", r.detok.flush()
+        else:
+            text = r.detok.add(tok, check_stop=stops)
+            if r.detok.stopped:
+                reason = "stop"
+        if reason is None and len(r.out) >= p.max_tokens:
+            reason, text = "length", text + r.detok.flush()
+        lps = None if logprobs is None else [logprobs]
+        if reason is None:
+            r.on_event(Event(text, [tok], None, len(r.prompt), len(r.out), logprobs=lps,
+                             cached_tokens=r.cached_tokens))
+            return
+        self._finish(r, reason, text, [tok], lps)
+
+    def _drop(self, ids: set[int], aborted: set[int] = frozenset()) -> None:
+        for seq in [*self.sched.waiting, *self.sched.live()]:
+            if seq.req.id in ids:
+                self._finish(seq.req, "abort" if seq.req.id in aborted else "cancelled")
+
+    def _finish(self, r: Request, reason: str, text: str = "", ids=(), logprobs=None) -> None:
+        if not r.finished:
+            r.finished = True
+            if not text and r.detok is not None and reason not in ("stop", "length"):
+                text = r.detok.flush()
+            r.on_event(Event(text, list(ids), reason, len(r.prompt), len(r.out), logprobs=logprobs,
+                             cached_tokens=r.cached_tokens))
+            self.metrics.finished += 1
+            if r.first_token_at:
+                self.metrics.observe_e2e(time.perf_counter() - r.arrived)
+        if r.seq is not None:
+            self.sched.finish(r.seq)
         self._gauges()
 
     def _gauges(self) -> None:
         # Set whenever a slot is taken or freed, not only at the end of a step: a client that has its
         # first token (emitted mid-step) must already see its slot counted.
-        self.metrics.queue_depth = self.queue_depth()
-        self.metrics.slots_in_use = sum(r is not None for r in self.slots)
+        m, pool = self.metrics, self.pool
+        live = self.sched.live()
+        m.queue_depth = max(0, len(self.sched.waiting) - sum(s is None for s in self.sched.slot_seq))
+        m.running, m.waiting = len(live), len(self.sched.waiting)
+        m.slots_in_use = len(live)
+        m.pages_in_use, m.pages_free, m.pages_cached = pool.in_use_count(), pool.free_count(), pool.cached_count()
+        m.cache_usage = m.pages_in_use / max(m.pages_total, 1)
+        m.cached_prompt_tokens, m.preemptions = pool.hits, self.sched.preemptions
 
-    def _drop(self, ids: set[int]) -> None:
-        for r in [r for r in self.waiting if r.id in ids]:
-            self.waiting.remove(r)
-            self._finish(r, "cancelled")
-        for r in [r for r in self.slots if r is not None and r.id in ids]:
-            self._finish(r, "cancelled")
 
-    def _admit(self) -> None:
-        for b in range(self.max_batch):
-            if self.slots[b] is None and self.waiting:
-                r = self.waiting.popleft()
-                r.slot = b
-                self.slots[b] = r
-                self.prefilling.append(r)
-        self._gauges()
+def _round_up(max_batch: int, mesh) -> int:
+    """max_batch rounded up to a multiple of the data-parallel shards (the product of the mesh's batch axes:
+    data, fsdp, expert), so that the slots and the pool split over all of them."""
+    if mesh is None:
+        return max_batch
+    n = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert"))
+    return -(-max_batch // n) * n
 
-    def _live(self) -> list[int]:
-        """The slots that decode this step."""
-        return [b for b, r in enumerate(self.slots) if r is not None and r.done_prompt == len(r.prompt)
-                and not r.finished]
 
-    def _prefill_some(self) -> None:
-        """While slots decode, at most prefill_chunk prompt tokens per step, in whole chunks, first come first
-        served (a long prompt stalls the decodes by at most one chunk). While none decodes nothing waits on
-        the step, so every waiting first chunk is prefilled in one batch: a burst of requests is prefilled
-        as static `generate` would, not one after another."""
-        if not self.prefilling:
-            return
-        fresh = [r for r in self.prefilling if r.done_prompt == 0]
-        if len(fresh) > 1 and not self._live():
-            self._prefill_rows(fresh, self.prefill_chunk)
-            return
-        budget = self.prefill_chunk
-        for r in list(self.prefilling):
-            n = min(len(r.prompt) - r.done_prompt, self.prefill_chunk)
-            if n > budget:
-                break
-            # A later chunk always runs at the full size (one program): only a prompt's last one is shorter.
-            self._prefill_rows([r], dev.bucket(n, self.chunk_sizes) if r.done_prompt == 0 else self.prefill_chunk)
-            budget -= n
-
-    def _prefill_rows(self, reqs: list[Request], c: int) -> None:
-        """One prefill program: the next chunk (at most c tokens, c computed) of each request; several
-        requests only at their first chunks."""
-        rows = dev.bucket(len(reqs), self.row_buckets) if len(reqs) > 1 else 1
-        slot, start, length = (np.zeros(rows, np.int32) for _ in range(3))  # spare rows: length 0
-        chunk = np.zeros((rows, c), np.int32)
-        samp = dev.samp_arrays(rows)
-        for i, r in enumerate(reqs):
-            n = min(len(r.prompt) - r.done_prompt, c)
-            part = r.prompt[r.done_prompt:r.done_prompt + n]
-            if r.done_prompt == 0:
-                chunk[i, c - n:] = part  # left-padded, as prefill_first takes it
-            else:
-                chunk[i, :n] = part
-            slot[i], start[i], length[i] = r.slot, r.done_prompt, r.done_prompt + n
-            p = r.params
-            samp["seed"][i], samp["temperature"][i] = p.seed % 2**32, p.temperature
-            samp["top_k"][i], samp["top_p"][i] = p.top_k, p.top_p
-        if reqs[0].done_prompt == 0:
-            step, args = self._prefill_first, (slot, chunk, length)
-        else:
-            step, args = self._prefill_next, (slot, chunk, start, length)
-        self.cache, toks_dev = step(self.params, self.cache, *self._put(*args, samp))
-        toks = None
-        for i, r in enumerate(reqs):
-            r.done_prompt = int(length[i])
-            if r.done_prompt < len(r.prompt):
-                continue
-            self.prefilling.remove(r)
-            b = r.slot
-            for k in ("seed", "temperature", "top_k", "top_p"):
-                self.samp[k][b] = samp[k][i]
-            self.pos[b] = len(r.prompt)
-            self.metrics.prompt_tokens += len(r.prompt)
-            if toks is None:
-                toks = _host(toks_dev)  # waits for the prefill: the steps are dispatched asynchronously
-            self.metrics.observe_ttft(time.perf_counter() - r.arrived)
-            self._emit_token(r, int(toks[i]))
-
-    def _decode_live(self) -> None:
-        """One token for each live slot, over the smallest bucket of rows that holds them."""
-        live = self._live()
-        if not live:
-            return
-        k = dev.bucket(len(live), self.row_buckets)
-        self.samp["step"] = np.array([len(r.out) if r is not None else 0 for r in self.slots], np.int32)
-        if k == self.max_batch:
-            mask = np.zeros(self.max_batch, bool)
-            mask[live] = True
-            self.cache, toks = self._decode(self.params, self.cache, *self._put(self.tokens, self.pos, mask,
-                                                                                 self.samp))
-            rows = np.arange(self.max_batch)
-        else:
-            spare = [b for b in range(self.max_batch) if b not in live][:k - len(live)]  # distinct, not live
-            rows = np.array(live + spare, np.int32)
-            mask = np.arange(k) < len(live)
-            self.cache, toks = self._decode_rows(self.params, self.cache, *self._put(
-                rows, self.tokens[rows], self.pos[rows], mask, {n: v[rows] for n, v in self.samp.items()}))
-        toks = _host(toks)
-        for i in np.flatnonzero(mask):
-            b = int(rows[i])
-            self.pos[b] += 1
-            self._emit_token(self.slots[b], int(toks[i]))
-
-    def _emit_token(self, r: Request, tok: int) -> None:
-        """Record a new token of `r`: report the text that is final, finish on a stop or the limit."""
-        r.out.append(tok)
-        self.tokens[r.slot] = tok
-        self.metrics.generation_tokens += 1
-        p = r.params
-        reason = None
-        if tok in p.stop_ids:
-            reason = "stop"
-        else:
-            r.text_ids.append(tok)
-        text = self.detok(r.text_ids) if self.detok else ""
-        if p.stop:
-            hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop) if i >= 0]
-            if hits:
-                text, reason = text[:min(hits)], "stop"
-        if reason is None and len(r.out) >= p.max_tokens:
-            reason = "length"
-        if reason is None:
-            safe = len(text.rstrip("\ufffd"))  # a multi-byte character not yet complete
-            for s in p.stop:  # hold back what may be the start of a stop string
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-            delta, r.sent = text[r.sent:max(safe, r.sent)], max(safe, r.sent)
-            r.on_event(Event(delta, [tok], None, len(r.prompt), len(r.out)))
-            return
-        r.finished = True
-        r.on_event(Event(text[r.sent:], [tok], reason, len(r.prompt), len(r.out)))
-        self._free(r)
-
-    def _finish(self, r: Request, reason: str) -> None:
-        if not r.finished:
-            r.finished = True
-            r.on_event(Event("", [], reason, len(r.prompt), len(r.out)))
-        self._free(r)
-
-    def _free(self, r: Request) -> None:
-        if r in self.prefilling:
-            self.prefilling.remove(r)
-        if 0 <= r.slot < self.max_batch and self.slots[r.slot] is r:
-            self.slots[r.slot] = None
-            self.pos[r.slot] = 0
-            self.tokens[r.slot] = 0
-            self.samp["temperature"][r.slot] = 0
-        self.metrics.finished += 1
-        self._gauges()
+def _logprobs(lp: dict, i: int, tok: int, k: int | None) -> dict:
+    """Row i's logprob entry (Event.logprobs): the sampled token's and its row's top k."""
+    top = [[int(t), float(v)] for t, v in zip(lp["top_ids"][i][:k or 0], lp["top_logprobs"][i][:k or 0]) if t >= 0]
+    return {"token_id": tok, "logprob": float(lp["logprob"][i]), "top": top}
 
 
 def _host(x) -> np.ndarray:

@@ -34,12 +34,25 @@ class Metrics:
         self.max_batch = max_batch
         self.requests = self.finished = self.rejected = self.errors = 0
         self.prompt_tokens = self.generation_tokens = 0
-        self.queue_depth = self.slots_in_use = 0
+        self.queue_depth = self.slots_in_use = self.running = self.waiting = 0
+        self.pages_total = self.pages_in_use = self.pages_free = self.pages_cached = 0
+        self.cache_usage = 0.0
+        self.cached_prompt_tokens = self.preemptions = 0
         self.ttft, self.step_time = Histogram(), Histogram()
+        self.itl, self.e2e, self.queue_time = Histogram(), Histogram(), Histogram()
         self._lock = threading.Lock()
 
     def observe_ttft(self, s: float) -> None:
         self.ttft.observe(s)
+
+    def observe_itl(self, s: float) -> None:
+        self.itl.observe(s)
+
+    def observe_e2e(self, s: float) -> None:
+        self.e2e.observe(s)
+
+    def observe_queue(self, s: float) -> None:
+        self.queue_time.observe(s)
 
     def observe_step(self, s: float) -> None:
         self.step_time.observe(s)
@@ -58,12 +71,24 @@ class Metrics:
             ("k2jax_queue_depth", "gauge", "requests waiting for a slot", self.queue_depth),
             ("k2jax_slots_in_use", "gauge", "decode slots holding a request", self.slots_in_use),
             ("k2jax_slots_total", "gauge", "decode slots", self.max_batch),
+            ("k2jax_kv_pages_total", "gauge", "pages of the KV cache pool", self.pages_total),
+            ("k2jax_kv_pages_in_use", "gauge", "pages some request holds", self.pages_in_use),
+            ("k2jax_kv_pages_free", "gauge", "pages held by nothing (not even the prefix cache)", self.pages_free),
+            ("k2jax_kv_pages_cached", "gauge", "pages indexed by the prefix cache", self.pages_cached),
+            ("k2jax_kv_cache_usage", "gauge", "fraction of the pool's pages requests hold", self.cache_usage),
+            ("k2jax_prompt_tokens_cached_total", "counter", "prompt tokens served from the prefix cache",
+             self.cached_prompt_tokens),
+            ("k2jax_preemptions_total", "counter", "requests preempted (pages freed, recomputed later)",
+             self.preemptions),
             ("k2jax_compilations_total", "counter", "XLA compilations in this process", compiles()),
         ]
         out = []
         for name, kind, help_, v in rows:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
         for name, h, help_ in (("k2jax_time_to_first_token_seconds", self.ttft, "arrival to first token"),
-                               ("k2jax_step_seconds", self.step_time, "one engine step (prefill + decode)")):
+                               ("k2jax_step_seconds", self.step_time, "one engine step (prefill + decode)"),
+                               ("k2jax_inter_token_latency_seconds", self.itl, "between a request's tokens"),
+                               ("k2jax_e2e_request_latency_seconds", self.e2e, "arrival to the last token"),
+                               ("k2jax_queue_time_seconds", self.queue_time, "arrival to a slot")):
             out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
         return "\n".join(out) + "\n"

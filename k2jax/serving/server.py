@@ -9,6 +9,7 @@ so every process steps the same program. Only process 0 answers.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import tempfile
@@ -30,9 +31,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint's directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--max-batch", type=int, default=8, help="decode slots: requests decoded together (default 8)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="decode slots: requests decoded together (default 8; on a mesh, rounded up to a multiple of "
+                        "the data-parallel shards, data x fsdp x expert)")
     p.add_argument("--max-len", type=int, default=4096,
-                   help="cache length per slot: prompt + completion tokens of one request (default 4096)")
+                   help="most tokens of one request: prompt + completion (default 4096)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-tokens", type=int,
+                    help="size of the paged KV cache pool in tokens, over all requests (default: 90%% of the free "
+                         "device memory after the weights where the devices report it; max-batch x max-len on CPU)")
+    kv.add_argument("--kv-memory", type=float, metavar="GIB",
+                    help="size of the paged KV cache pool in GiB per data-parallel shard, instead of --kv-tokens")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page of the KV cache (default 64)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the cached pages of earlier prompts (the prefix cache is on by default)")
+    p.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="keep compiled programs in DIR, so that a restart with the same settings skips most of the "
+                        "compiling (default: ~/.cache/k2jax/xla; 'none' turns it off)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens prefilled per engine step, so running decodes keep going (default 512)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
@@ -101,6 +116,26 @@ def load_model(args):
     return model, params, tok, name, mesh
 
 
+def _progress(k: int, n: int, what: str) -> None:
+    from k2jax import distributed as D
+
+    D.log0(f"k2jax serve: compiled {k}/{n}: {what}")
+
+
+def use_compile_cache(directory: str | None) -> None:
+    """Keep compiled programs on disk (jax's persistent compilation cache), so a restart with the same
+    settings loads them instead of compiling."""
+    import os
+
+    import jax
+
+    if directory == "none":
+        return
+    directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _name(path) -> str:
     import pathlib
 
@@ -117,10 +152,11 @@ def run(args) -> int:
     from k2jax.serving.engine import Engine
 
     compiles.install()
+    use_compile_cache(args.compile_cache)
     multi = jax.process_count() > 1
     if multi and not args.mesh:
         raise ValueError("a multi-process server needs --mesh (over every process's devices)")
-    for flag, v in (("--max-batch", args.max_batch), ("--max-len", args.max_len),
+    for flag, v in (("--max-batch", args.max_batch), ("--max-len", args.max_len), ("--page-size", args.page_size),
                     ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
@@ -134,12 +170,22 @@ def run(args) -> int:
         from k2jax.serving.multihost import StepSync
 
         sync = StepSync()
-    detok = (lambda ids: tok.decode([i for i in ids if i < tok.vocab_size])) if tok else None
+    from k2jax.inference.cache import kv_bytes_per_token
+    from k2jax.serving.detok import TokenText
+
+    kv_tokens = args.kv_tokens
+    if args.kv_memory is not None:
+        kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else str(params["embed_tokens"].dtype)
+        shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert"))
+        kv_tokens = int(args.kv_memory * 2**30 / kv_bytes_per_token(model.cfg, kv_dtype)) * shards
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    decode=detok, kv_cache_dtype=args.kv_cache_dtype, mesh=mesh, max_queue=args.max_queue, sync=sync,
-                    batch_wait_s=args.batch_wait_ms / 1e3)
-    D.log0(f"k2jax serve: compiled the engine steps in {engine.warm_up():.1f} s ({args.max_batch} slots x "
-           f"{args.max_len} tokens, prefill chunks of up to {engine.prefill_chunk}, cache {args.kv_cache_dtype})")
+                    detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
+                    page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
+                    max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3)
+    D.log0(f"k2jax serve: KV cache pool {engine.kv_tokens} tokens in pages of {args.page_size} "
+           f"({engine.kv_cache_dtype}), {engine.max_batch} slots, prefix cache "
+           f"{'off' if args.no_prefix_cache else 'on'}")
+    D.log0(f"k2jax serve: compiled the engine steps in {engine.warm_up(_progress):.1f} s")
     if not D.is_main():
         engine.run_follower()
         jax.distributed.shutdown()  # together with process 0, which holds the coordination service

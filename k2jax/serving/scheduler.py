@@ -1,0 +1,282 @@
+"""Which rows run in the next engine step: admission to slots, prompt chunks, decodes, pages, preemption.
+
+Plain Python, no jax: it hands the engine `Call`s (the rows of one runner step and its shape) and takes back
+what each row sampled.
+
+- A sequence is a request's tokens (prompt, then what it generated) and how many of them its pages hold
+  (`cached`). Each step a row feeds the tokens its pages do not hold yet: its last sampled token (a decode
+  row), or up to a chunk of its prompt (a prefill row, which samples when the chunk reaches the end).
+- Slots: `slots` rows of per-slot sampling state, split evenly over the data-parallel shards; a sequence
+  takes a free slot on the shard whose prefix cache holds most of its prompt (then the one with most room),
+  and pages from that shard only.
+- A step prefills at most `prefill_chunk` prompt tokens while rows decode (so a long prompt stalls the
+  decodes by at most one chunk), in whole chunks, first come first served; while none decodes, the first
+  chunks of all waiting prompts run in one batch.
+- Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
+  pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
+  queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
+  had never been preempted: the sampler's key depends only on the seed and the token's index).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+
+from k2jax.inference.runner import StepShape
+from k2jax.serving.pages import PagePool
+
+_ORDER = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """A request's state in the engine: `req` (the engine's Request), its tokens (prompt + generated), the
+    pages holding them and how many they hold, its slot."""
+
+    req: Any
+    tokens: list[int]
+    prompt_len: int
+    slot: int = -1
+    pages: list[int] = dataclasses.field(default_factory=list)
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # the prefix chain of its indexed pages
+    cached: int = 0
+    order: int = 0  # admission order: the newest is preempted first
+    new_slot: bool = True  # no step has run for it in its slot yet
+    reuse: bool = True  # may take pages from the prefix cache (not with penalties: they count fed tokens)
+    preemptions: int = 0
+    finished: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed: its last sampled token, or what is left of its prompt (and of its output, after
+        a preemption)."""
+        return len(self.tokens) - self.cached
+
+    @property
+    def decoding(self) -> bool:
+        return self.pending == 1 and self.generated > 0
+
+
+@dataclasses.dataclass
+class Call:
+    """One runner step: its shape and, per row, (sequence or None for a filler row, tokens fed)."""
+
+    shape: StepShape
+    rows: list[tuple[Seq | None, int]]
+    shard_of_row: list[int]
+    samples: list[bool] = dataclasses.field(init=False)  # whether a row's sampled token is its next token
+
+    def __post_init__(self):
+        # Decided when the call is made (before the step advances the rows): the feed reaches the end.
+        self.samples = [s is not None and s.cached + n == len(s.tokens) for s, n in self.rows]
+
+
+def pow2_upto(n: int, lo: int = 1) -> list[int]:
+    """Powers of two from lo below n, and n."""
+    return sorted({min(n, 1 << i) for i in range(max(lo, 1).bit_length() - 1, n.bit_length() + 1)} | {n})
+
+
+def bucket(n: int, sizes) -> int:
+    """The smallest of `sizes` that holds n."""
+    return next(s for s in sorted(sizes) if s >= n)
+
+
+class Scheduler:
+    """slots: rows of per-slot state (a multiple of shards); pool: the pages; max_len: tokens per sequence;
+    prefill_chunk: most prompt tokens per step while rows decode; min_read_tokens: the smallest cache
+    read a step makes (fewer programs: reading a few more tokens costs little)."""
+
+    def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256):
+        self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
+        self.shards = pool.shards
+        if slots % self.shards:
+            raise ValueError(f"{slots} slots do not split over {self.shards} data-parallel shards")
+        self.slots, self.per_shard = slots, slots // self.shards
+        self.Y = pool.page_size
+        self.slot_seq: list[Seq | None] = [None] * slots
+        self.waiting: collections.deque[Seq] = collections.deque()
+        self.preemptions = 0
+        # The shapes a step can take (Engine.warm_up compiles them all).
+        self.max_pages = -(-max_len // self.Y)
+        self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.Y))
+        self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
+        self.chunk_sizes = pow2_upto(prefill_chunk, lo=min(64, prefill_chunk))
+
+    # --- shapes ----------------------------------------------------------------------------------------
+    def table_pages(self, read: int, tokens: int) -> int:
+        return min(self.max_pages, read + -(-tokens // self.Y)) + 1
+
+    def shapes(self) -> list[StepShape]:
+        """Every shape `plan` can return."""
+        out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
+        out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
+        out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
+        out += [StepShape(1, self.chunk, r, self.table_pages(r, self.chunk)) for r in self.read_buckets[1:]]
+        return sorted(set(out))
+
+    # --- admission -------------------------------------------------------------------------------------
+    def fits(self, n_tokens: int) -> bool:
+        """Whether a sequence of n_tokens can ever be held (the whole shard's pages at most)."""
+        return -(-n_tokens // self.Y) <= self.pool.capacity()
+
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def live(self) -> list[Seq]:
+        return [s for s in self.slot_seq if s is not None]
+
+    def admit(self) -> None:
+        """Give waiting sequences free slots, first come first served, each on the shard whose prefix cache
+        holds most of it (then the one with most room); reused pages count as its cached tokens."""
+        while self.waiting:
+            seq = self.waiting[0]
+            free = [b for b, s in enumerate(self.slot_seq) if s is None]
+            if not free:
+                return
+            shards = sorted({b // self.per_shard for b in free},
+                            key=lambda sh: (-len(self.pool.match(sh, seq.tokens, take=False)[0]) * seq.reuse,
+                                            -self.pool.available(sh), sh))
+            shard = shards[0]
+            pages, keys = self.pool.match(shard, seq.tokens) if seq.reuse else ([], [])
+            first = min(len(seq.tokens) - len(pages) * self.Y, self.chunk)
+            more = self.pool.take(shard, self._pages_for(len(pages) * self.Y + first) - len(pages))
+            if more is None:  # no room for its first chunk yet: wait (the running rows will finish)
+                self.pool.release(pages)
+                self.pool.hits -= len(pages) * self.Y
+                return
+            self.waiting.popleft()
+            seq.slot = next(b for b in free if b // self.per_shard == shard)
+            seq.pages, seq.keys, seq.cached, seq.order = pages + more, keys, len(pages) * self.Y, next(_ORDER)
+            seq.new_slot = True
+            self.slot_seq[seq.slot] = seq
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.Y)
+
+    # --- the next step ---------------------------------------------------------------------------------
+    def plan(self) -> list[Call]:
+        """The runner steps of one engine step: prompt chunks, then one decode over every decoding row.
+        Pages for all of them are taken first (preempting where a shard runs out), then the calls are laid
+        out from the rows still running."""
+        live = self.live()
+        decoding = [s for s in live if s.decoding]
+        prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
+        fresh = [s for s in prefilling if s.cached == 0]
+        batched = len(fresh) > 1 and not decoding  # nothing waits on this step: every first chunk in one batch
+        if batched:
+            chunks = [(s, min(s.pending, self.chunk)) for s in fresh]
+        else:
+            chunks, budget = [], self.chunk
+            for s in prefilling:
+                n = min(s.pending, self.chunk)
+                if n > budget:
+                    break
+                chunks.append((s, n))
+                budget -= n
+        for s, n in chunks + [(s, 1) for s in decoding]:
+            if s.slot >= 0:
+                self._grow(s, n)
+        chunks = [(s, n) for s, n in chunks if s.slot >= 0]
+        decoding = [s for s in decoding if s.slot >= 0]
+        calls = []
+        if batched and chunks:
+            calls.append(self._call(chunks, self.chunk, 0))
+        else:
+            for s, n in chunks:  # a first chunk at the smallest size that holds it; a later one at the full size
+                read = 0 if s.cached == 0 else bucket(self._pages_for(s.cached), self.read_buckets[1:])
+                calls.append(self._call([(s, n)], bucket(n, self.chunk_sizes) if read == 0 else self.chunk, read))
+        if decoding:
+            read = bucket(max(self._pages_for(s.cached) for s in decoding), self.read_buckets[1:])
+            calls.append(self._call([(s, 1) for s in decoding], 1, read))
+        return calls
+
+    def _grow(self, seq: Seq, n: int) -> bool:
+        """Pages for seq's next n tokens, preempting the newest sequences of its shard if none are left;
+        False if seq itself was preempted (it waits again)."""
+        shard = seq.slot // self.per_shard
+        need = self._pages_for(seq.cached + n) - len(seq.pages)
+        while need > 0:
+            got = self.pool.take(shard, need)
+            if got is not None:
+                seq.pages += got
+                return True
+            victim = max((s for s in self.live() if s.slot // self.per_shard == shard), key=lambda s: s.order)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Seq) -> None:
+        """Free seq's pages and slot; it waits at the front of the queue, to be recomputed from its tokens."""
+        self.pool.release(seq.pages)
+        self.slot_seq[seq.slot] = None
+        seq.pages, seq.keys, seq.cached, seq.slot = [], [], 0, -1
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _call(self, rows: list[tuple[Seq, int]], T: int, read: int) -> Call:
+        """Lay rows out for one step: shard-major buckets when several rows split over the shards, else one
+        bucket (a lone row is replicated on every shard); filler rows feed nothing."""
+        if self.shards > 1 and len(rows) > 1:
+            return self._call_sharded(rows, T, read)
+        B = bucket(len(rows), self.row_buckets)
+        laid = rows + [(None, 0)] * (B - len(rows))
+        return Call(StepShape(B, T, read, self.table_pages(read, T)), laid,
+                    [s.slot // self.per_shard if s else 0 for s, _ in laid])
+
+    def _call_sharded(self, rows, T, read) -> Call:
+        by_shard = [[r for r in rows if r[0].slot // self.per_shard == sh] for sh in range(self.shards)]
+        k = bucket(max(len(b) for b in by_shard), [b // self.shards for b in self.row_buckets if b >= self.shards])
+        laid, shard_of = [], []
+        for sh, rs in enumerate(by_shard):
+            laid += rs + [(None, 0)] * (k - len(rs))
+            shard_of += [sh] * k
+        return Call(StepShape(self.shards * k, T, read, self.table_pages(read, T)), laid, shard_of)
+
+    def inputs(self, call: Call, batch: dict) -> None:
+        """Fill a runner batch (k2jax.inference.runner.host_batch) with the call's rows: tokens, counts,
+        page tables, lengths, slots, prompt lengths. (Sampling settings and masks are the engine's.)"""
+        W = call.shape.table_pages
+        for i, ((seq, n), shard) in enumerate(zip(call.rows, call.shard_of_row)):
+            batch["table"][i] = self.pool.trash(shard)
+            if seq is None:
+                batch["slot"][i] = shard * self.per_shard
+                continue
+            batch["slot"][i] = seq.slot
+            batch["tokens"][i, :n] = seq.tokens[seq.cached:seq.cached + n]
+            batch["count"][i] = n
+            batch["table"][i, :min(W, len(seq.pages))] = seq.pages[:W]
+            batch["lengths"][i] = seq.cached
+            batch["prompt_len"][i] = seq.prompt_len
+            batch["reset"][i] = seq.new_slot  # its first step in this slot: the slot's state starts afresh
+
+    def advance(self, call: Call) -> None:
+        """The call ran: each row's pages hold its fed tokens; index the full pages for reuse."""
+        for seq, n in call.rows:
+            if seq is not None:
+                seq.cached += n
+                seq.new_slot = False
+                self.pool.register(seq.slot // self.per_shard, seq.tokens[:seq.cached], seq.pages, seq.keys)
+
+    def finish(self, seq: Seq) -> None:
+        """seq is done (or cancelled): free its slot and let go of its pages (indexed ones stay cached)."""
+        seq.finished = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot >= 0 and self.slot_seq[seq.slot] is seq:
+            self.slot_seq[seq.slot] = None
+            self.pool.release(seq.pages)
+            seq.pages, seq.slot = [], -1
+
+    def ids(self) -> np.ndarray:
+        return np.array([s.req.id if s else -1 for s in self.slot_seq])
