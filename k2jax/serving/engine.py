@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from k2jax.serving import device as dev
+from k2jax.serving.detok import NoText, TokenText
 from k2jax.serving.metrics import Metrics
 
 
@@ -35,21 +36,33 @@ class QueueFull(Exception):
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request settings. temperature 0 = greedy; top_k 0 = all; stop_ids end the output (not included in
-    the text); stop strings are matched on the detokenized text and cut from it."""
+    the text); stop strings are matched on the detokenized text and cut from it (neither before min_tokens).
+    The penalties count the request's own generated tokens (repetition_penalty the prompt's too);
+    logit_bias: (token id, bias in [-100, 100]) pairs, at most 300; logprobs None = none, k >= 0 = the
+    sampled token's logprob and the top k (k <= 20), from the distribution sampled from."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    min_p: float = 0.0
+    seed: int = 0  # the API draws a random 63-bit seed when the request has none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
 
 
 @dataclasses.dataclass
 class Event:
     """What a request gets after each of its engine steps: new text and token ids; finish_reason set on the
-    last one ("stop" | "length" | "cancelled" | "error")."""
+    last one ("stop" | "length" | "cancelled" | "abort" | "error"). logprobs (when params.logprobs is not
+    None): one {"token_id", "logprob", "top": [[token_id, logprob], ...]} per token of token_ids."""
 
     text: str
     token_ids: list[int]
@@ -57,6 +70,7 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprobs: list[dict] | None = None
 
 
 @dataclasses.dataclass
@@ -70,8 +84,7 @@ class Request:
     slot: int = -1
     done_prompt: int = 0  # prompt tokens prefilled so far
     out: list[int] = dataclasses.field(default_factory=list)  # generated ids (stop id included)
-    text_ids: list[int] = dataclasses.field(default_factory=list)  # those that make the text
-    sent: int = 0  # characters of the text already reported
+    detok: object = None  # its k2jax.serving.detok.Detokenizer, made at its first token
     finished: bool = False
 
 
@@ -79,12 +92,18 @@ _IDS = itertools.count()
 
 
 class Engine:
-    """max_batch slots over one [max_batch, max_len] latent cache. `decode(ids) -> str` detokenizes (for
-    stop strings and streamed text); `mesh` splits the slots over 'data' (params already placed on it);
-    `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
+    """max_batch slots over one [max_batch, max_len] latent cache. `detok` (a detok.TokenText) turns each
+    request's tokens into text incrementally (for stop strings and streamed text); `mesh` splits the slots
+    over 'data' (params already placed on it); `batch_wait_s`: how long `run` lets a burst arriving at an
+    idle engine gather (see _gather_burst)."""
+
+    # SamplingParams fields the device step does not apply yet: the API refuses a request that sets one
+    # rather than ignore it. Empty once the device-side sampler honours them all.
+    PENDING_FIELDS = frozenset({"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                "logit_bias", "min_tokens", "logprobs"})
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 decode: Callable[[Sequence[int]], str] = lambda ids: "", kv_cache_dtype: str = "auto",
+                 detok: TokenText | None = None, kv_cache_dtype: str = "auto",
                  mesh=None, max_queue: int = 256, metrics: Metrics | None = None, sync=None,
                  batch_wait_s: float = 0.0):
         if max_batch < 1 or max_len < 2 or prefill_chunk < 1:
@@ -94,7 +113,7 @@ class Engine:
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.batch_wait_s = batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
-        self.detok = decode
+        self.detok = detok
         self.metrics = metrics or Metrics(max_batch)
         self.sync = sync  # multi-host: agrees on each step's admissions and cancellations (k2jax.serving.multihost)
         dt = params["embed_tokens"].dtype
@@ -116,6 +135,7 @@ class Engine:
         self.prefilling: collections.deque[Request] = collections.deque()
         self._inbox: list[Request] = []
         self._cancels: set[int] = set()
+        self._aborting = False  # abort_all: every request, and any submitted later, ends with "abort"
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = False
@@ -134,21 +154,36 @@ class Engine:
             raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the server's max_len of {self.max_len} tokens")
 
-    def submit(self, req: Request) -> None:
-        """Queue a request (checked first). Raises ValueError for a bad one, QueueFull when the queue is full."""
-        self.check(req.prompt, req.params)
+    def submit(self, *reqs: Request) -> None:
+        """Queue requests, all or none (each checked first). Raises ValueError for a bad one, QueueFull when
+        they would put more than max_queue requests in the queue. The queue is what waits beyond the free
+        slots: requests about to take a free slot are not counted."""
+        for req in reqs:
+            self.check(req.prompt, req.params)
         with self._lock:
-            if len(self._inbox) + len(self.waiting) >= self.max_queue:
-                self.metrics.rejected += 1
-                raise QueueFull(f"{self.max_queue} requests already waiting")
-            self._inbox.append(req)
-            self.metrics.requests += 1
+            if self._queued() + len(reqs) > self.max_queue:
+                self.metrics.rejected += len(reqs)
+                raise QueueFull(f"{self.max_queue} requests already waiting for a slot")
+            self._inbox.extend(reqs)
+            self.metrics.requests += len(reqs)
             self._wake.notify()
+
+    def _queued(self) -> int:
+        """Requests waiting beyond the free slots (called with the lock held: _admit takes it too)."""
+        free = sum(s is None for s in self.slots)
+        return max(0, len(self._inbox) + len(self.waiting) - free)
 
     def cancel(self, req: Request) -> None:
         """Drop a request (client gone): its slot is freed at the next step."""
         with self._lock:
             self._cancels.add(req.id)
+            self._wake.notify()
+
+    def abort_all(self) -> None:
+        """End every request at the next step, and any submitted later at the step after it arrives, with
+        finish_reason "abort" (the server is shutting down)."""
+        with self._lock:
+            self._aborting = True
             self._wake.notify()
 
     def stop(self) -> None:
@@ -157,7 +192,8 @@ class Engine:
             self._wake.notify()
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + len(self._inbox)
+        with self._lock:
+            return self._queued()
 
     # --- the engine thread ------------------------------------------------------------------------
     def _context(self):
@@ -169,25 +205,30 @@ class Engine:
 
         return use_mesh(self.mesh)
 
-    def warm_up(self) -> float:
-        """Compile every step (each prefill chunk size and the decode step) on dummy inputs; -> seconds."""
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Compile every step (each prefill chunk size and the decode step) on dummy inputs; -> seconds.
+        progress(k, n, what) is called before the k-th of n programs compiles."""
         with self._context():
-            return self._warm_up()
+            return self._warm_up(progress or (lambda k, n, what: None))
 
-    def _warm_up(self) -> float:
+    def _warm_up(self, progress) -> float:
         t0 = time.perf_counter()
         outs = []
-        for first, rows, c in self._prefill_shapes():
+        n = len(self._prefill_shapes()) + len(self.row_buckets)
+        for k, (first, rows, c) in enumerate(self._prefill_shapes(), 1):
+            progress(k, n, f"prefill {'first' if first else 'later'} chunk, {rows} x {c} tokens")
             zeros = np.zeros(rows, np.int32)  # length 0: writes nothing
             step, args = ((self._prefill_first, (zeros, np.zeros((rows, c), np.int32), zeros)) if first else
                           (self._prefill_next, (zeros, np.zeros((rows, c), np.int32), zeros, zeros)))
             self.cache, tok = step(self.params, self.cache, *self._put(*args, dev.samp_arrays(rows)))
             outs.append(tok)
-        for k in self.row_buckets[:-1]:
+        for i, k in enumerate(self.row_buckets[:-1]):
+            progress(n - len(self.row_buckets) + 1 + i, n, f"decode over {k} of {self.max_batch} slots")
             self.cache, toks = self._decode_rows(self.params, self.cache, *self._put(
                 np.arange(k, dtype=np.int32), np.zeros(k, np.int32), np.zeros(k, np.int32), np.zeros(k, bool),
                 dev.samp_arrays(k)))
             outs.append(toks)
+        progress(n, n, f"decode over all {self.max_batch} slots")
         self.cache, toks = self._decode(self.params, self.cache, *self._put(
             self.tokens, self.pos, np.zeros(self.max_batch, bool), self.samp))
         jax.block_until_ready(outs + [toks])
@@ -253,13 +294,16 @@ class Engine:
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+            aborted = (set() if not self._aborting else
+                       {r.id for r in [*new, *self.waiting, *self.slots] if r is not None and not r.finished})
+        cancels |= aborted
         if self.sync is not None:
             new, cancels = self.sync(new, cancels)
             if self.sync.stopped:
                 return
         self.waiting.extend(new)
         if cancels:
-            self._drop(cancels)
+            self._drop(cancels, aborted)
         self._admit()
         t0 = time.perf_counter()
         self._prefill_some()
@@ -271,22 +315,27 @@ class Engine:
         # Set whenever a slot is taken or freed, not only at the end of a step: a client that has its
         # first token (emitted mid-step) must already see its slot counted.
         self.metrics.queue_depth = self.queue_depth()
-        self.metrics.slots_in_use = sum(r is not None for r in self.slots)
+        live = [r for r in self.slots if r is not None]
+        self.metrics.slots_in_use = len(live)
+        self.metrics.cache_usage = sum(r.done_prompt + len(r.out) for r in live) / (self.max_batch * self.max_len)
 
-    def _drop(self, ids: set[int]) -> None:
+    def _drop(self, ids: set[int], aborted: set[int] = frozenset()) -> None:
         for r in [r for r in self.waiting if r.id in ids]:
             self.waiting.remove(r)
-            self._finish(r, "cancelled")
+            self._finish(r, "abort" if r.id in aborted else "cancelled")
         for r in [r for r in self.slots if r is not None and r.id in ids]:
-            self._finish(r, "cancelled")
+            self._finish(r, "abort" if r.id in aborted else "cancelled")
 
     def _admit(self) -> None:
-        for b in range(self.max_batch):
-            if self.slots[b] is None and self.waiting:
-                r = self.waiting.popleft()
-                r.slot = b
-                self.slots[b] = r
-                self.prefilling.append(r)
+        now = time.perf_counter()
+        with self._lock:  # submit counts the free slots: a request is in `waiting` or in a slot, never neither
+            for b in range(self.max_batch):
+                if self.slots[b] is None and self.waiting:
+                    r = self.waiting.popleft()
+                    r.slot = b
+                    self.slots[b] = r
+                    self.prefilling.append(r)
+                    self.metrics.observe_queue(now - r.arrived)
         self._gauges()
 
     def _live(self) -> list[int]:
@@ -379,41 +428,36 @@ class Engine:
             self._emit_token(self.slots[b], int(toks[i]))
 
     def _emit_token(self, r: Request, tok: int) -> None:
-        """Record a new token of `r`: report the text that is final, finish on a stop or the limit."""
+        """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text
+        comes from r.detok, which costs the same per token however long the output is."""
         r.out.append(tok)
         self.tokens[r.slot] = tok
         self.metrics.generation_tokens += 1
         p = r.params
+        if r.detok is None:
+            r.detok = self.detok.stream(p.skip_special_tokens, p.stop) if self.detok is not None else NoText()
+        stops = len(r.out) >= p.min_tokens  # no stop before min_tokens (the device keeps stop ids out)
         reason = None
-        if tok in p.stop_ids:
-            reason = "stop"
+        if stops and tok in p.stop_ids:
+            reason, text = "stop", r.detok.flush()
         else:
-            r.text_ids.append(tok)
-        text = self.detok(r.text_ids) if self.detok else ""
-        if p.stop:
-            hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop) if i >= 0]
-            if hits:
-                text, reason = text[:min(hits)], "stop"
+            text = r.detok.add(tok, check_stop=stops)
+            if r.detok.stopped:
+                reason = "stop"
         if reason is None and len(r.out) >= p.max_tokens:
-            reason = "length"
+            reason, text = "length", text + r.detok.flush()
         if reason is None:
-            safe = len(text.rstrip("\ufffd"))  # a multi-byte character not yet complete
-            for s in p.stop:  # hold back what may be the start of a stop string
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-            delta, r.sent = text[r.sent:max(safe, r.sent)], max(safe, r.sent)
-            r.on_event(Event(delta, [tok], None, len(r.prompt), len(r.out)))
+            r.on_event(Event(text, [tok], None, len(r.prompt), len(r.out)))
             return
         r.finished = True
-        r.on_event(Event(text[r.sent:], [tok], reason, len(r.prompt), len(r.out)))
+        r.on_event(Event(text, [tok], reason, len(r.prompt), len(r.out)))
         self._free(r)
 
     def _finish(self, r: Request, reason: str) -> None:
         if not r.finished:
             r.finished = True
-            r.on_event(Event("", [], reason, len(r.prompt), len(r.out)))
+            r.on_event(Event(r.detok.flush() if r.detok is not None else "", [], reason, len(r.prompt),
+                             len(r.out)))
         self._free(r)
 
     def _free(self, r: Request) -> None:
