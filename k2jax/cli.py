@@ -114,6 +114,9 @@ def jax_dtype(params):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k2jax", description="Kimi K2 (DeepSeek-V3 architecture) in JAX: model tools.")
+    from k2jax import __version__
+
+    parser.add_argument("--version", action="version", version=f"k2jax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="parameter counts and bytes of a config, per component and per block",
                        description="Count parameters per component and per block from the abstract param tree "
@@ -196,10 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server with continuous batching over the latent cache",
         description="Serve a checkpoint over HTTP: /v1/completions and /v1/chat/completions (OpenAI-compatible, "
-                    "streaming as server-sent events), /v1/models, /health, /metrics (Prometheus). Requests join "
-                    "and leave --max-batch decode slots between engine steps; prompts are prefilled in chunks of "
-                    "up to --prefill-chunk tokens so running decodes keep going. Everything is compiled at start-"
-                    "up. Try it without a download: k2jax serve --demo")
+                    "streaming as server-sent events; n, seeds, stop strings, echo, lists of prompts), "
+                    "/v1/models[/ID], /tokenize, /detokenize, /health, /metrics (Prometheus), /version. Requests "
+                    "join and leave --max-batch decode slots between engine steps; prompts are prefilled in chunks "
+                    "of up to --prefill-chunk tokens so running decodes keep going. Everything is compiled at "
+                    "start-up. SIGTERM drains (--drain-timeout), then exits 0. Try it without a download: k2jax "
+                    "serve --demo")
     serve_arguments(p)
     p.set_defaults(func=_serve)
     return parser

@@ -1,13 +1,14 @@
 """`k2jax serve` as users meet it: the command started as a subprocess on a loopback port (a small random FP8
 checkpoint written here, float32 weights so argmax is stable), driven by the official `openai` client, sync
 and async, streaming and not. Every greedy answer is checked against k2jax.generate on the same prompt alone.
-One server for the module."""
+One server for the module (tests that need their own flags are in test_serve_ops.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import socket
 import time
 
 import httpx
@@ -16,7 +17,7 @@ import pytest
 
 from tests.serve_util import Solo, free_port, metric, running, serve_argv, write_model
 
-MAX_BATCH, MAX_LEN, CHUNK, QUEUE = 8, 96, 32, 24
+MAX_BATCH, MAX_LEN, CHUNK, QUEUE = 8, 256, 32, 24
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def aclient(port, **kw):
 
 
 def text_of(tok, ids):
-    return tok.decode([i for i in ids if i < tok.vocab_size])
+    """The text of generated ids as the server gives it by default (skip_special_tokens: no specials)."""
+    return tok.decode([i for i in ids if i < tok.num_base])
 
 
 def prompt(seed, n):
@@ -246,7 +248,12 @@ BAD = [  # (path, raw body or JSON, status, param)
     ("completions", {"model": "tiny", "prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
     ("completions", {"model": "tiny", "prompt": [3] * (MAX_LEN + 5)}, 400, "prompt"),
     ("completions", {"model": "gpt-4", "prompt": [1, 2]}, 404, "model"),
-    ("completions", {"model": "tiny", "prompt": [1, 2], "n": 2}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": [1, 2], "n": 0}, 400, "n"),
+    ("completions", {"model": "tiny", "prompt": [1, 2], "suffix": "x"}, 400, "suffix"),
+    ("completions", {"model": "tiny", "prompt": [1, 2], "best_of": 3}, 400, "best_of"),
+    ("completions", {"model": "tiny", "prompt": [1, 2], "no_such_field": 1}, 400, "no_such_field"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "echo"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
     ("completions", {"model": "tiny", "prompt": [1, 5000]}, 400, "prompt"),
 ]
@@ -335,3 +342,193 @@ def test_int4_weights_server_equals_generate_on_the_same_quantized_params(files,
                 return [r.choices[0].token_ids for r in rs]
 
         assert asyncio.run(main()) == want
+
+
+# --- OpenAI fields: seeds, n, prompt lists, echo, logprobs ------------------------------------------------
+
+SAMPLED = {"temperature": 1.0, "max_tokens": 12}
+
+
+def choice_seed(seed, i):
+    """The seed of choice i, as the README documents it: seed + i * 0x9E3779B97F4A7C15, mod 2^63."""
+    return (seed + i * 0x9E3779B97F4A7C15) % 2**63
+
+
+def test_sampling_without_a_seed_differs_and_with_one_repeats(server):
+    c = client(server)
+    kw = dict(model="tiny", prompt=prompt(21, 6), extra_body=NO_EOS, **SAMPLED)
+    a, b = (c.completions.create(**kw).choices[0].token_ids for _ in range(2))
+    assert a != b, "two unseeded temperature-1 requests gave the same tokens: the seed is not random"
+    a, b = (c.completions.create(seed=123, **kw).choices[0].token_ids for _ in range(2))
+    assert a == b
+
+
+def test_n_choices_equal_single_requests_with_the_derived_seeds(server):
+    c = client(server)
+    kw = dict(model="tiny", prompt=prompt(22, 7), extra_body=NO_EOS, **SAMPLED)
+    r = c.completions.create(n=3, seed=77, **kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    got = [ch.token_ids for ch in r.choices]
+    want = [c.completions.create(seed=choice_seed(77, i), **kw).choices[0].token_ids for i in range(3)]
+    assert got == want and len({tuple(g) for g in got}) == 3
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == 7
+    # streamed: each choice's chunks carry its index and add up to the same tokens
+    chunks = list(c.completions.create(n=3, seed=77, stream=True, **kw))
+    streamed = {i: [t for ch in chunks for x in ch.choices if x.index == i for t in x.token_ids] for i in range(3)}
+    assert [streamed[i] for i in range(3)] == want
+    assert sorted(x.index for ch in chunks for x in ch.choices if x.finish_reason) == [0, 1, 2]
+    # chat too
+    msgs = [{"role": "user", "content": "Write code"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, n=2, seed=5, temperature=1.0, max_tokens=6)
+    one = c.chat.completions.create(model="tiny", messages=msgs, seed=choice_seed(5, 1), temperature=1.0,
+                                    max_tokens=6)
+    assert r.choices[1].message.content == one.choices[0].message.content and len(r.choices) == 2
+
+
+def test_a_list_of_prompts_gives_their_choices_in_order(server, solo, tok):
+    c = client(server)
+    ps = [prompt(23, 5), prompt(24, 9), prompt(25, 3)]
+    r = c.completions.create(model="tiny", prompt=ps, n=2, max_tokens=6, extra_body=NO_EOS, **GREEDY)
+    assert [ch.token_ids for ch in r.choices] == [solo(p, 6) for p in ps for _ in range(2)]
+    assert r.usage.prompt_tokens == 17 and r.usage.completion_tokens == 36
+    texts = ["The quick brown fox", "Kimi is a large"]
+    r = c.completions.create(model="tiny", prompt=texts, max_tokens=4, extra_body=NO_EOS, **GREEDY)
+    assert [ch.token_ids for ch in r.choices] == [solo(tok.encode(t), 4) for t in texts]
+
+
+def test_echo_puts_the_prompt_before_the_completion(server, tok):
+    c = client(server)
+    plain = c.completions.create(model="tiny", prompt="The quick", max_tokens=5, extra_body=NO_EOS, **GREEDY)
+    r = c.completions.create(model="tiny", prompt="The quick", max_tokens=5, echo=True, extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].text == "The quick" + plain.choices[0].text
+    ids = prompt(26, 4)
+    r = c.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].text.startswith(tok.decode(ids))
+    parts = list(c.completions.create(model="tiny", prompt="The quick", max_tokens=5, echo=True, stream=True,
+                                      extra_body=NO_EOS, **GREEDY))
+    assert "".join(p.choices[0].text for p in parts) == "The quick" + plain.choices[0].text
+
+
+def test_fields_the_engine_does_not_apply_yet_are_refused(server):
+    c = client(server)
+    for kw in ({"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"logprobs": 2}, {"logit_bias": {"5": 10}},
+               {"extra_body": {"min_p": 0.1}}, {"extra_body": {"repetition_penalty": 1.2}},
+               {"extra_body": {"min_tokens": 3}}):
+        name = next(iter(kw.get("extra_body", kw)))
+        with pytest.raises(openai.BadRequestError, match=name) as e:
+            c.completions.create(model="tiny", prompt=[5, 6], max_tokens=4, **kw)
+        assert e.value.body["param"] == name
+    # at their defaults they are accepted
+    r = c.completions.create(model="tiny", prompt=[5, 6], max_tokens=2, presence_penalty=0, frequency_penalty=0,
+                             logit_bias={}, **GREEDY)
+    assert len(r.choices[0].token_ids) >= 1
+
+
+def log_softmax_ref(solo, p, ids):
+    """log_softmax of K2Model.apply's float32 logits over prompt + output, at the positions that predicted
+    each output token: [len(ids), V]."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    logits = solo.model.apply({"params": solo.params}, jnp.asarray([list(p) + list(ids)], jnp.int32))[0]
+    ref = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))[len(p) - 1:len(p) - 1 + len(ids)]
+    assert [int(t) for t in ref.argmax(-1)] == list(ids)  # the reference is the model the server runs (greedy)
+    return ref
+
+
+def test_logprobs_equal_a_log_softmax_of_the_model_logits(server, solo, tok):
+    import numpy as np
+
+    c, k = client(server), 5
+    p = prompt(27, 9)
+    ids = solo(p, 8)
+    ref = log_softmax_ref(solo, p, ids)
+    r = c.completions.create(model="tiny", prompt=p, max_tokens=8, logprobs=k, extra_body=NO_EOS, **GREEDY)
+    got = r.choices[0].logprobs
+    assert got.tokens == [tok.decode([t]) for t in ids]
+    np.testing.assert_allclose(got.token_logprobs, [ref[i, t] for i, t in enumerate(ids)], atol=1e-4)
+    for i in range(len(ids)):
+        top = np.argsort(-ref[i])[:k]
+        assert set(got.top_logprobs[i]) == {tok.decode([int(t)]) for t in top}
+        for t in top:
+            assert got.top_logprobs[i][tok.decode([int(t)])] == pytest.approx(float(ref[i, t]), abs=1e-4)
+    # chat: the same per token, top_logprobs in order, and bytes that name the token ids
+    msgs = [{"role": "user", "content": "Write code"}]
+    p = tok.apply_chat_template(msgs)
+    ids = solo(p, 6, tok.stop_ids)
+    ref = log_softmax_ref(solo, p, ids)
+    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, logprobs=True, top_logprobs=k,
+                                  **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert [bytes(e.bytes) for e in content] == [tok.decode_bytes([t]) for t in ids]
+    for i, e in enumerate(content):
+        assert e.logprob == pytest.approx(float(ref[i, ids[i]]), abs=1e-4)
+        top = np.argsort(-ref[i])[:k]
+        assert [bytes(x.bytes) for x in e.top_logprobs] == [tok.decode_bytes([int(t)]) for t in top]
+        np.testing.assert_allclose([x.logprob for x in e.top_logprobs], ref[i, top], atol=1e-4)
+
+
+# --- other endpoints -----------------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize(server, tok):
+    url = f"http://127.0.0.1:{server}"
+    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "The quick brown fox",
+                                            "return_token_strs": True}).json()
+    ids = tok.encode("The quick brown fox")
+    assert r == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                 "token_strs": [tok.decode([i]) for i in ids]}
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": msgs}).json()
+    assert r["tokens"] == tok.apply_chat_template(msgs) and r["token_strs"] is None
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"prompt": "The quick brown fox"}
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    bad = httpx.post(f"{url}/tokenize", json={"prompt": "x", "messages": msgs})
+    assert bad.status_code == 400
+
+
+def test_model_by_id_and_version(server):
+    c = client(server)
+    m = c.models.retrieve("tiny")
+    assert m.id == "tiny" and m.owned_by == "k2jax"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
+    import k2jax
+
+    assert httpx.get(f"http://127.0.0.1:{server}/version").json() == {"version": k2jax.__version__}
+
+
+def test_latency_histograms_in_metrics(server):
+    c = client(server)
+    before = metric(server, "k2jax_e2e_request_latency_seconds_count")
+    itl = metric(server, "k2jax_inter_token_latency_seconds_count")
+    queue = metric(server, "k2jax_request_queue_time_seconds_count")
+    c.completions.create(model="tiny", prompt=[5, 6], max_tokens=5, extra_body=NO_EOS, **GREEDY)
+    assert metric(server, "k2jax_e2e_request_latency_seconds_count") == before + 1
+    assert metric(server, "k2jax_inter_token_latency_seconds_count") == itl + 4  # 5 tokens, 4 gaps
+    assert metric(server, "k2jax_request_queue_time_seconds_count") == queue + 1
+    assert metric(server, 'k2jax_e2e_request_latency_seconds_bucket{le="+Inf"}') == before + 1
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_slot_within_a_step(server):
+    """A plain (non-streamed) request whose client goes away: the server sees the connection close and the
+    slot is free at the next engine step, long before max_tokens."""
+    body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_LEN - 3, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    tokens0 = metric(server, "k2jax_generation_tokens_total")
+    s = socket.create_connection(("127.0.0.1", server))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              b"%d\r\n\r\n" % len(body) + body)
+    t0 = time.time()
+    while metric(server, "k2jax_slots_in_use") < 1:
+        assert time.time() - t0 < 30
+    s.close()
+    steps = metric(server, "k2jax_step_seconds_count")
+    t0 = time.time()
+    while metric(server, "k2jax_slots_in_use") > 0:
+        assert time.time() - t0 < 5, "the slot stayed taken after the client left"
+    # the steps run after the close (read right after it) until the slot was free: the one in flight, the
+    # one that frees it, and any the metrics requests above took to answer
+    assert metric(server, "k2jax_step_seconds_count") - steps <= 4
+    assert metric(server, "k2jax_generation_tokens_total") - tokens0 < MAX_LEN - 3

@@ -1,11 +1,16 @@
 """`k2jax serve` over two CPU processes (jax.distributed on 127.0.0.1, 4 simulated devices each, slots split
 over 'data' and experts over 'expert' across both): process 0 answers real HTTP requests with the tokens
-one process gives, process 1 serves nothing itself and stops when process 0 does."""
+one process gives, process 1 serves nothing itself and stops when process 0 does, also when SIGTERM comes
+with a request in flight."""
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
+import threading
+
+import httpx
 
 import jax.numpy as jnp
 import openai
@@ -28,7 +33,8 @@ def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
 
     port, coord = free_port(), free_port()
     argvs = [serve_argv(ckpt, tok, port, "--max-batch", "4", "--max-len", "64", "--prefill-chunk", "16",
-                        "--mesh", "data=2,expert=4", "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
+                        "--mesh", "data=2,expert=4", "--drain-timeout", "1", "--coordinator", f"127.0.0.1:{coord}",
+                        "--num-processes", "2",
                         "--process-id", str(rank)) for rank in range(2)]
     for a in argvs:  # the converted checkpoint: --mesh shards it
         i = a.index("--hf-checkpoint")
@@ -44,7 +50,27 @@ def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
         got = asyncio.run(main())
         assert got == want
         assert asyncio.run(main()) == want  # and again, with the slots reused
+        # A stream in flight at SIGTERM: it finishes within the drain or ends with "abort", then [DONE]; both
+        # processes stop (process 1 also ignores a SIGTERM of its own).
+        lines, started = [], threading.Event()
+
+        def stream():
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
+                for ln in r.iter_lines():
+                    if ln:
+                        lines.append(ln)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        procs[1].terminate()
         procs[0].terminate()  # SIGTERM, as a supervisor stops a server
+        reader.join(120)
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "abort")
         try:
             rcs = [p.wait(timeout=60) for p in procs]  # process 0's stop reaches 1 through the key-value store
         except subprocess.TimeoutExpired:
@@ -52,6 +78,7 @@ def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
         out0, out1 = (p.stdout.read() for p in procs)
         assert rcs == [0, 0], f"exit codes {rcs}\n--- process 0:\n{out0[-2000:]}\n--- process 1:\n{out1[-2000:]}"
         assert "http://" not in out1, "only process 0 runs HTTP"
+        assert "Traceback" not in out0 + out1, f"--- process 0:\n{out0[-2000:]}\n--- process 1:\n{out1[-2000:]}"
 
 
 def test_serve_help_lists_the_flags():
@@ -59,5 +86,6 @@ def test_serve_help_lists_the_flags():
                          check=True).stdout
     for flag in ("--checkpoint", "--hf-checkpoint", "--demo", "--tokenizer", "--host", "--port", "--max-batch",
                  "--max-len", "--prefill-chunk", "--mesh", "--dtype", "--quant", "--kv-cache-dtype", "--distributed",
+                 "--api-key", "--drain-timeout", "--stats-interval", "--no-access-log",
                  "--coordinator", "--num-processes", "--process-id"):
         assert flag in out, flag

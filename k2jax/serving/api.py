@@ -1,81 +1,192 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions (streaming as
-server-sent events), /health and /metrics. Handlers validate a request, hand it to the engine thread and
-wait for its events on an asyncio queue; a bad request gets an OpenAI-style error naming the field.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/models[/{id}], /v1/completions, /v1/chat/completions
+(streaming as server-sent events), /tokenize and /detokenize (vLLM's shapes), /health, /metrics, /version.
 
-Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `stop_token_ids`, `ignore_eos`; every
-choice also carries the generated `token_ids`.
+Handlers parse a body (k2jax.serving.openai_fields: every field understood or refused with a 400 naming it),
+hand one engine request per choice to the engine thread, and wait for their events on an asyncio queue; a
+non-streamed request also watches its connection, so a client that goes away frees its slots at the next
+engine step. Responses are built by k2jax.serving.responses.
+
+Around the routes: `--api-key` (a Bearer token on everything but /health, /metrics and /version, with
+OpenAI's 401), the drain at shutdown (new requests get 503 while the running ones finish; the server's
+ServeState), and an access log line per request (k2jax.serving.oplog).
+
+Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`; every choice also carries the generated `token_ids`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k2jax.serving.engine import Engine, Event, QueueFull, Request, SamplingParams
+from k2jax.serving import openai_fields as F
+from k2jax.serving.detok import TokenText
+from k2jax.serving.engine import Engine, QueueFull, Request
+from k2jax.serving.oplog import AccessLog
+from k2jax.serving.openai_fields import BadRequest
+from k2jax.serving.responses import Choice, Chunks, Names, response
 
 RETRY_AFTER_S = 1
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # no API key, and answered while draining
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+class ServeState:
+    """Shared by the app and the server's shutdown: `draining` (new requests get 503) and `inflight` (HTTP
+    requests past the guard and not yet answered)."""
+
+    def __init__(self):
+        self.draining = False
+        self.inflight = 0
 
 
-def error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
+def error_response(status: int, message: str, param=None, code=None, headers=None, kind=None) -> JSONResponse:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
-def make_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
+class Guard:
+    """ASGI middleware: the API key, the drain's 503, and the count of requests in flight."""
+
+    def __init__(self, app, state: ServeState, api_key: str | None):
+        self.app, self.state = app, state
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope) -> bool:
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        if self.key is not None and not self._authorized(scope):
+            r = error_response(401, "Incorrect or missing API key: send the header 'Authorization: Bearer KEY' "
+                                    "with the key the server was started with (--api-key)",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await r(scope, receive, send)
+        if self.state.draining:
+            r = error_response(503, "the server is shutting down and takes no new requests",
+                               code="server_shutting_down")
+            return await r(scope, receive, send)
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
+
+
+def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
+             state: ServeState | None = None, access_log: bool = True, logger=None) -> FastAPI:
     """The app for `engine` (its thread started by the caller). tokenizer: k2jax.tokenizer.KimiTokenizer or
-    None (then prompts must be token ids and chat is refused)."""
+    None (then prompts must be token ids, and chat, echo of token ids and /tokenize are refused)."""
+    from k2jax import __version__
+
     app = FastAPI(title="k2jax serve")
+    state = state or ServeState()
+    app.state.serve = state
+    app.add_middleware(Guard, state=state, api_key=api_key)
+    app.add_middleware(AccessLog, logger=logger, enabled=access_log)  # outermost: logs the guard's answers too
     metrics = engine.metrics
     created = int(time.time())
+    table = engine.detok or (TokenText(tokenizer) if tokenizer is not None else None)
+    names = Names(table)
+    limits = F.Limits(engine.model.cfg.vocab_size, engine.max_len, engine.max_batch + engine.max_queue,
+                      engine.PENDING_FIELDS)
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "k2jax",
+                  "max_model_len": engine.max_len}
 
     @app.exception_handler(BadRequest)
     async def _bad(_, e: BadRequest):
         metrics.errors += 1
         return error_response(e.status, e.message, e.param, e.code)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        metrics.errors += 1
+        return error_response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
     @app.get("/health")
     async def health():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "k2jax", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise BadRequest(f"model {model_id!r} does not exist; this server serves {model_name!r}", "model", 404,
+                             "model_not_found")
+        return model_card
+
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        body = await _json(http)
+        F.check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
+                                        "add_generation_prompt", "return_token_strs"}))
+        _check_model(body, model_name)
+        if tokenizer is None:
+            raise BadRequest("tokenize needs a tokenizer: start the server with --tokenizer DIR", None)
+        F.flag(body, "add_special_tokens")  # Kimi's tokenizer adds none to text: nothing to add either way
+        if ("prompt" in body) == ("messages" in body):
+            raise BadRequest("prompt: give exactly one of prompt (text) or messages (chat)", "prompt")
+        if "prompt" in body:
+            text = body["prompt"]
+            if not isinstance(text, str):
+                raise BadRequest("prompt: expected a string", "prompt")
+            ids = tokenizer.encode(text)
+        else:
+            try:
+                ids = tokenizer.apply_chat_template(F.chat_messages(body),
+                                                    add_generation_prompt=F.flag(body, "add_generation_prompt", True))
+            except ValueError as e:
+                raise BadRequest(f"messages: {e}", "messages") from None
+        strs = [names.text(i) for i in ids] if F.flag(body, "return_token_strs") else None
+        return {"count": len(ids), "max_model_len": engine.max_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest):
+        body = await _json(http)
+        F.check_fields(body, frozenset({"model", "tokens"}))
+        _check_model(body, model_name)
+        if table is None:
+            raise BadRequest("detokenize needs a tokenizer: start the server with --tokenizer DIR", None)
+        return {"prompt": table.decode(F.token_ids(body.get("tokens"), "tokens", limits.vocab_size))}
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
+        t0 = time.perf_counter()
         body = await _json(http)
         _check_model(body, model_name)
-        prompt = _prompt_ids(body, tokenizer, engine)
-        params = _sampling(body, len(prompt), engine, tokenizer, chat=False)
-        return await _run(http, engine, prompt, params, body, model_name, chat=False)
+        job = F.parse_completion(body, tokenizer, limits)
+        return await _generate(http, engine, state, job, t0, model_name, names, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(http: HTTPRequest):
+        t0 = time.perf_counter()
         body = await _json(http)
         _check_model(body, model_name)
-        if tokenizer is None:
-            raise BadRequest("chat needs a tokenizer: start the server with --tokenizer DIR", "messages")
-        prompt = _chat_ids(body, tokenizer, engine)
-        params = _sampling(body, len(prompt), engine, tokenizer, chat=True)
-        return await _run(http, engine, prompt, params, body, model_name, chat=True)
+        job = F.parse_chat(body, tokenizer, limits)
+        return await _generate(http, engine, state, job, t0, model_name, names, chat=True)
 
     return app
 
@@ -97,178 +208,117 @@ def _check_model(body, name):
         raise BadRequest(f"model {m!r} does not exist; this server serves {name!r}", "model", 404, "model_not_found")
 
 
-def _prompt_ids(body, tok, engine) -> list[int]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise BadRequest("prompt: required", "prompt")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if tok is None:
-            raise BadRequest("prompt: text needs a tokenizer (--tokenizer DIR); send token ids instead", "prompt")
-        ids = tok.encode(p)
-    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        ids = list(p)
-    else:
-        raise BadRequest("prompt: expected a string or a list of token ids (one prompt per request)", "prompt")
-    _check_prompt(ids, engine, "prompt")
-    return ids
+async def _watch_disconnect(http: HTTPRequest, q: asyncio.Queue) -> None:
+    """Put (None, None) on q when the client closes the connection (the body has been read, so the next
+    ASGI message is the disconnect)."""
+    while True:
+        msg = await http.receive()
+        if msg["type"] == "http.disconnect":
+            q.put_nowait((None, None))
+            return
 
 
-def _check_prompt(ids, engine, field):
-    if not ids:
-        raise BadRequest(f"{field}: empty", field)
-    vocab = engine.model.cfg.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise BadRequest(f"{field}: token ids must be in [0, {vocab})", field)
-    if len(ids) >= engine.max_len:
-        raise BadRequest(f"{field}: {len(ids)} tokens; this server's max_len is {engine.max_len} (prompt and "
-                         f"completion together)", field, code="context_length_exceeded")
-
-
-def _chat_ids(body, tok, engine) -> list[int]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise BadRequest("messages: required", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadRequest(f"messages[{i}]: expected an object with role and content", f"messages[{i}]")
-        c = m.get("content") or ""
-        if isinstance(c, list):  # content parts: text only
-            if any(not isinstance(x, dict) or x.get("type") != "text" for x in c):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            c = "".join(x.get("text", "") for x in c)
-        if not isinstance(c, str):
-            raise BadRequest(f"messages[{i}].content: expected a string", f"messages[{i}].content")
-        clean.append({"role": m["role"], "content": c})
-    try:
-        ids = tok.apply_chat_template(clean)
-    except ValueError as e:
-        raise BadRequest(f"messages: {e}", "messages") from None
-    _check_prompt(ids, engine, "messages")
-    return ids
-
-
-def _number(body, name, default, lo=None, hi=None, lo_open=False, integer=False):
-    v = body.get(name)
-    if v is None:
-        return default
-    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok_type:
-        raise BadRequest(f"{name}: expected {'an integer' if integer else 'a number'}, got {v!r}", name)
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}]"
-        raise BadRequest(f"{name}: must be in {rng}, got {v}", name)
-    return v
-
-
-def _sampling(body, n_prompt, engine, tok, chat: bool) -> SamplingParams:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise BadRequest(f"n: only n=1 is supported, got {n!r}", "n")
-    room = engine.max_len - n_prompt
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room), lo=1, integer=True)
-    if max_tokens > room:
-        raise BadRequest(f"{key}: prompt ({n_prompt} tokens) + {key} ({max_tokens}) exceeds this server's "
-                         f"max_len of {engine.max_len} tokens", key, code="context_length_exceeded")
-    temperature = _number(body, "temperature", 1.0, lo=0)  # OpenAI's default
-    top_p = _number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)
-    top_k = _number(body, "top_k", 0, lo=-1, hi=engine.model.cfg.vocab_size, integer=True)
-    seed = _number(body, "seed", 0, integer=True)
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise BadRequest("stop: expected a string or a list of strings", "stop")
-    if any(s == "" for s in stop):
-        raise BadRequest("stop: empty stop strings are not allowed", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or any(not isinstance(t, int) for t in stop_ids):
-        raise BadRequest("stop_token_ids: expected a list of token ids", "stop_token_ids")
-    if not body.get("ignore_eos") and tok is not None:
-        stop_ids = stop_ids + (tok.stop_ids if chat else [tok.eos_id])
-    for f in ("stream",):
-        if body.get(f) is not None and not isinstance(body[f], bool):
-            raise BadRequest(f"{f}: expected true or false", f)
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          top_k=max(int(top_k), 0), seed=int(seed), stop_ids=tuple(stop_ids), stop=stop)
-
-
-async def _run(http, engine: Engine, prompt, params, body, model_name, chat: bool):
+async def _generate(http, engine: Engine, state: ServeState, job: F.Job, t0: float, model_name: str,
+                    names: Names, chat: bool):
+    """Run a parsed request: one engine request per choice; -> the response (streamed or whole)."""
     loop = asyncio.get_running_loop()
-    q: asyncio.Queue[Event] = asyncio.Queue()
-    req = Request(prompt, params, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+    q: asyncio.Queue = asyncio.Queue()
+    metrics = engine.metrics
+
+    def callback(index):
+        def on_event(ev):  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (index, ev))
+            except RuntimeError:  # the event loop is closed: nobody waits for this request any more
+                pass
+        return on_event
+
+    specs = job.choices()
+    reqs = [Request(job.prompts[j], p, callback(k)) for k, j, p in specs]
+    choices = [Choice(k, len(job.prompts[j]), p.logprobs is not None, _echo(job, j, names)) for k, j, p in specs]
+    prompt_tokens = sum(len(p) for p in job.prompts)
+    if state.draining:  # parsed while the drain began
+        return error_response(503, "the server is shutting down and takes no new requests",
+                              code="server_shutting_down")
     try:
-        engine.submit(req)
+        engine.submit(*reqs)
     except QueueFull as e:
         return error_response(429, f"the server is busy ({e}); retry later", None, "queue_full",
-                              headers={"Retry-After": str(RETRY_AFTER_S)})
+                              headers={"Retry-After": str(RETRY_AFTER_S)}, kind="rate_limit_exceeded")
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
-    usage = lambda ev: {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,  # noqa: E731
-                        "total_tokens": ev.prompt_tokens + ev.completion_tokens}
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(engine, req, q, rid, created, model_name, chat, include_usage, usage),
+    first = []  # the time of the first token of any choice
+
+    def record(k, ev) -> bool:
+        """Take one event: timings into the metrics, the event into its choice; -> whether it finished it."""
+        now = time.perf_counter()
+        c = choices[k]
+        if ev.token_ids:
+            if c.last_t is not None:
+                for _ in ev.token_ids:
+                    metrics.observe_itl((now - c.last_t) / len(ev.token_ids))
+            c.last_t = now
+            first[:] = first or [now]
+        c.add(ev)
+        if ev.finish_reason:
+            metrics.observe_e2e(now - t0)
+        http.state.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(x.completion_tokens
+                                                                                     for x in choices),
+                            "ttft": first[0] - t0 if first else None}
+        return bool(ev.finish_reason)
+
+    http.state.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "ttft": None}
+    watcher = asyncio.ensure_future(_watch_disconnect(http, q))
+    if job.stream:
+        chunks = Chunks(rid, created, model_name, chat, names)
+        return StreamingResponse(_stream(engine, reqs, choices, q, watcher, record, chunks, job, prompt_tokens),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    events = []
-    while not (events and events[-1].finish_reason):
-        try:
-            events.append(await asyncio.wait_for(q.get(), 0.5))
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                engine.cancel(req)
-                return error_response(499, "client closed the request")
-    last = events[-1]
-    text, ids = "".join(e.text for e in events), [t for e in events for t in e.token_ids]
-    choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None, "token_ids": ids}
-    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model_name, "choices": [choice], "usage": usage(last)}
-
-
-async def _stream(engine, req, q, rid, created, model_name, chat, include_usage, usage):
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(text, ids, finish, first=False):
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
-        if chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish
-                                                                            else {})
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
-                                      "choices": [choice]}) + "\n\n"
-
-    done = False
+    left = len(reqs)
     try:
-        if chat:
-            yield chunk("", [], None, first=True)
-        while True:
-            ev = await q.get()
-            if ev.finish_reason:
-                done = True
-                if ev.text or ev.token_ids:
-                    yield chunk(ev.text, ev.token_ids, None)
-                yield chunk("", [], ev.finish_reason)
-                if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
-                                                 "choices": [], "usage": usage(ev)}) + "\n\n"
-                yield "data: [DONE]\n\n"
-                return
-            if ev.text or ev.token_ids:
-                yield chunk(ev.text, ev.token_ids, None)
+        while left:
+            k, ev = await q.get()
+            if k is None:  # the client went away: free the slots at the next step
+                return error_response(499, "client closed the request")
+            left -= record(k, ev)
     finally:
-        if not done:  # the client went away (or the server is stopping): free the slot
-            engine.cancel(req)
+        watcher.cancel()
+        if left:
+            for r in reqs:
+                engine.cancel(r)
+    if any(c.finish_reason == "abort" for c in choices):
+        return error_response(503, "the server shut down before the request finished: aborted after "
+                                   f"{sum(c.completion_tokens for c in choices)} tokens", code="server_shutting_down")
+    return JSONResponse(response(rid, created, model_name, chat, choices, prompt_tokens, names))
+
+
+def _echo(job: F.Job, j: int, names: Names) -> str:
+    if not job.echo:
+        return ""
+    return job.prompt_texts[j] if job.prompt_texts[j] is not None else names.table.decode(job.prompts[j])
+
+
+async def _stream(engine, reqs, choices, q, watcher, record, chunks: Chunks, job: F.Job, prompt_tokens: int):
+    """The server-sent events of a streamed request: each choice's chunks as its tokens come, a last chunk
+    with its finish_reason ("abort" when the server shuts down first), the usage if asked, then [DONE]."""
+    left = len(reqs)
+    try:
+        for c in choices:
+            if (s := chunks.first(c)) is not None:
+                yield s
+        while left:
+            k, ev = await q.get()
+            if k is None:  # the client went away
+                return
+            left -= record(k, ev)
+            if ev.text or ev.token_ids or ev.finish_reason:
+                yield chunks.delta(choices[k], ev, ev.finish_reason)
+        if job.include_usage:
+            yield chunks.usage(prompt_tokens, choices)
+        yield chunks.done()
+    finally:
+        watcher.cancel()
+        if left:  # the client went away (or the response was cancelled): free the slots
+            for r in reqs:
+                engine.cancel(r)

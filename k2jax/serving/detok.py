@@ -89,7 +89,7 @@ class Detokenizer:
         else:
             held = 0
         out, self._held = s[start:len(s) - held], s[len(s) - held:]
-        self._window = s[len(s) - self.keep:]
+        self._window = s[-self.keep:] if self.keep else ""
         return out
 
     def _stop_prefix(self, s: str) -> int:

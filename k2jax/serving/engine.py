@@ -104,7 +104,6 @@ class Request:
     matcher: object = None  # its grammar matcher (structured output), made at submission
     out: list[int] = dataclasses.field(default_factory=list)  # generated ids (stop id included)
     first_token_at: float = 0.0
-    last_token_at: float = 0.0
     cached_tokens: int = 0
     finished: bool = False
 
@@ -133,6 +132,10 @@ class Engine:
     and the pool over the batch's mesh axes (params already placed on it); `prefix_cache`: reuse the full
     pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
     `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
+
+    # SamplingParams fields the device step does not apply (the API refuses a request that sets one rather
+    # than ignore it): none, the runner's sampler (k2jax.inference.sampling) applies them all.
+    PENDING_FIELDS = frozenset()
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
@@ -375,13 +378,9 @@ class Engine:
     def _emit_token(self, r: Request, tok: int, logprobs, masked: bool) -> None:
         """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text
         comes from r.detok, which costs the same per token however long the output is."""
-        now = time.perf_counter()
         if not r.out:
-            r.first_token_at = now
-            self.metrics.observe_ttft(now - r.arrived)
-        else:
-            self.metrics.observe_itl(now - r.last_token_at)
-        r.last_token_at = now
+            r.first_token_at = time.perf_counter()
+            self.metrics.observe_ttft(r.first_token_at - r.arrived)
         r.out.append(tok)
         self.metrics.generation_tokens += 1
         if r.matcher is not None:
@@ -421,8 +420,6 @@ class Engine:
             r.on_event(Event(text, list(ids), reason, len(r.prompt), len(r.out), logprobs=logprobs,
                              cached_tokens=r.cached_tokens))
             self.metrics.finished += 1
-            if r.first_token_at:
-                self.metrics.observe_e2e(time.perf_counter() - r.arrived)
         if r.seq is not None:
             self.sched.finish(r.seq)
         self._gauges()

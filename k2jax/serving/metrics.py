@@ -6,6 +6,9 @@ import bisect
 import threading
 
 _BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                  2.5)
+_E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 
 class Histogram:
@@ -28,7 +31,9 @@ class Histogram:
 
 
 class Metrics:
-    """Written by the engine thread, read by the HTTP thread (plain ints and floats: a torn read is harmless)."""
+    """Written by the engine thread (and the HTTP thread: e2e and inter-token latency, as its clients see
+    them), read by the HTTP thread. Each histogram has one writer; plain ints and floats: a torn read is
+    harmless."""
 
     def __init__(self, max_batch: int):
         self.max_batch = max_batch
@@ -36,26 +41,29 @@ class Metrics:
         self.prompt_tokens = self.generation_tokens = 0
         self.queue_depth = self.slots_in_use = self.running = self.waiting = 0
         self.pages_total = self.pages_in_use = self.pages_free = self.pages_cached = 0
-        self.cache_usage = 0.0
+        self.cache_usage = 0.0  # pages requests hold / the pool's pages
         self.cached_prompt_tokens = self.preemptions = 0
-        self.ttft, self.step_time = Histogram(), Histogram()
-        self.itl, self.e2e, self.queue_time = Histogram(), Histogram(), Histogram()
+        self.ttft, self.step_time, self.queue_time = Histogram(), Histogram(), Histogram()
+        self.e2e, self.itl = Histogram(_E2E_BUCKETS_S), Histogram(_ITL_BUCKETS_S)
         self._lock = threading.Lock()
 
     def observe_ttft(self, s: float) -> None:
         self.ttft.observe(s)
 
-    def observe_itl(self, s: float) -> None:
-        self.itl.observe(s)
-
-    def observe_e2e(self, s: float) -> None:
-        self.e2e.observe(s)
-
-    def observe_queue(self, s: float) -> None:
-        self.queue_time.observe(s)
-
     def observe_step(self, s: float) -> None:
         self.step_time.observe(s)
+
+    def observe_queue(self, s: float) -> None:
+        """Arrival to admission into a slot (engine thread)."""
+        self.queue_time.observe(s)
+
+    def observe_e2e(self, s: float) -> None:
+        """Arrival to the last token of one choice (HTTP thread)."""
+        self.e2e.observe(s)
+
+    def observe_itl(self, s: float) -> None:
+        """Between two tokens of one choice as its handler receives them (HTTP thread)."""
+        self.itl.observe(s)
 
     def render(self) -> str:
         """The /metrics page."""
@@ -71,11 +79,12 @@ class Metrics:
             ("k2jax_queue_depth", "gauge", "requests waiting for a slot", self.queue_depth),
             ("k2jax_slots_in_use", "gauge", "decode slots holding a request", self.slots_in_use),
             ("k2jax_slots_total", "gauge", "decode slots", self.max_batch),
+            ("k2jax_cache_usage_ratio", "gauge", "pages of the KV cache pool requests hold / all its pages",
+             round(self.cache_usage, 6)),
             ("k2jax_kv_pages_total", "gauge", "pages of the KV cache pool", self.pages_total),
             ("k2jax_kv_pages_in_use", "gauge", "pages some request holds", self.pages_in_use),
             ("k2jax_kv_pages_free", "gauge", "pages held by nothing (not even the prefix cache)", self.pages_free),
             ("k2jax_kv_pages_cached", "gauge", "pages indexed by the prefix cache", self.pages_cached),
-            ("k2jax_kv_cache_usage", "gauge", "fraction of the pool's pages requests hold", self.cache_usage),
             ("k2jax_prompt_tokens_cached_total", "counter", "prompt tokens served from the prefix cache",
              self.cached_prompt_tokens),
             ("k2jax_preemptions_total", "counter", "requests preempted (pages freed, recomputed later)",
@@ -87,8 +96,8 @@ class Metrics:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {v}"]
         for name, h, help_ in (("k2jax_time_to_first_token_seconds", self.ttft, "arrival to first token"),
                                ("k2jax_step_seconds", self.step_time, "one engine step (prefill + decode)"),
-                               ("k2jax_inter_token_latency_seconds", self.itl, "between a request's tokens"),
+                               ("k2jax_request_queue_time_seconds", self.queue_time, "arrival to a slot"),
                                ("k2jax_e2e_request_latency_seconds", self.e2e, "arrival to the last token"),
-                               ("k2jax_queue_time_seconds", self.queue_time, "arrival to a slot")):
+                               ("k2jax_inter_token_latency_seconds", self.itl, "between two tokens of a choice")):
             out += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *h.lines(name)]
         return "\n".join(out) + "\n"

@@ -47,8 +47,8 @@ class StepSync:
             self.stopped = True
             self.client.wait_at_barrier("k2jax/serve/stop", STOP_TIMEOUT_MS)
             return [], set()
-        reqs = [Request(prompt, SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in p.items()}),
-                        _ignore, id=rid) for rid, prompt, p in msg["new"]]
+        reqs = [Request(prompt, SamplingParams(**{k: _tuples(v) for k, v in p.items()}), _ignore, id=rid)
+                for rid, prompt, p in msg["new"]]
         return reqs, set(msg["cancel"])
 
     def _get(self, key: str) -> str:
@@ -66,6 +66,11 @@ class StepSync:
             self.client.key_value_set(self._key(self.step), json.dumps({"stop": True}))
             # process 0 holds the coordination service: it must not exit before the others have read this
             self.client.wait_at_barrier("k2jax/serve/stop", STOP_TIMEOUT_MS)
+
+
+def _tuples(v):
+    """JSON lists back to the tuples SamplingParams holds (logit_bias: pairs in a tuple)."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 def _ignore(_event) -> None:

@@ -1,20 +1,38 @@
-"""`k2jax serve`: load a model, warm the engine up (every step compiled before the first request), run the
-engine loop in its own thread and the HTTP server (uvicorn) in the main one.
+"""`k2jax serve`: claim the port, load a model, warm the engine up (every step compiled before the first
+request), run the engine loop in its own thread and the HTTP server (uvicorn) in the main one.
+
+- The listening socket is bound before anything is loaded, so a port in use fails at once, naming it; uvicorn
+  is handed that socket.
+- SIGTERM (or SIGINT) drains: new requests get 503, running ones may finish for up to --drain-timeout
+  seconds, the rest end with finish_reason "abort" (a streamed one gets its last chunk and [DONE], a whole
+  one a JSON 503); then the server stops and exits 0. A second signal aborts at once.
+- Logs ("k2jax.serve", stderr): resolved dtypes at start-up, "compiling k/n" during warm-up, an access line
+  per request and a stats line every --stats-interval seconds while busy (k2jax.serving.oplog).
 
 Multi-host (jax.distributed): every process runs the engine loop over the global mesh; process 0 also runs
 HTTP and, each step, broadcasts the requests it admitted and the cancellations (k2jax.serving.multihost),
-so every process steps the same program. Only process 0 answers.
+so every process steps the same program. Only process 0 answers; the others ignore SIGTERM and stop when
+process 0 does.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
+import logging
 import math
+import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
+
+from k2jax.serving.oplog import LOGGER
+
+ABORT_WAIT_S = 10.0  # after the abort, how long the drain waits for the aborted answers to be sent
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +88,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float8"),
                    help="latent cache dtype (auto: the compute dtype); float8 = e4m3 with a per-token scale")
     p.add_argument("--seed", type=int, default=0, help="seed of --demo's random weights (default 0)")
+    p.add_argument("--api-key", default=os.environ.get("K2JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API (/health, /metrics and /version stay open); "
+                        "default: the K2JAX_API_KEY environment variable (which keeps the key out of the process "
+                        "list), none = open")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the running requests may take to finish before they are aborted "
+                        "(new requests get 503 meanwhile; default 30)")
+    p.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines (running, waiting, tokens/s, cache use) while busy; 0 = none "
+                        "(default 10)")
+    p.add_argument("--no-access-log", action="store_true", help="no log line per request")
     from k2jax import distributed
 
     distributed.add_arguments(p)
@@ -116,17 +145,9 @@ def load_model(args):
     return model, params, tok, name, mesh
 
 
-def _progress(k: int, n: int, what: str) -> None:
-    from k2jax import distributed as D
-
-    D.log0(f"k2jax serve: compiled {k}/{n}: {what}")
-
-
 def use_compile_cache(directory: str | None) -> None:
-    """Keep compiled programs on disk (jax's persistent compilation cache), so a restart with the same
+    """Keep compiled programs on disk (jax's persistent compilation cache), so that a restart with the same
     settings loads them instead of compiling."""
-    import os
-
     import jax
 
     if directory == "none":
@@ -136,80 +157,258 @@ def use_compile_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def _grammars(tok, cfg):
+    """The structured-output compiler for this tokenizer and model (None without a tokenizer)."""
+    return None
+
+
 def _name(path) -> str:
     import pathlib
 
     return pathlib.Path(path).resolve().name
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket's address claimed (bound, not yet listening: connections are refused until the
+    server is ready). Raises ValueError naming the port when it is taken."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart does not wait out TIME_WAIT
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); stop it or "
+                             f"choose another --port") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    return sock
+
+
+def setup_logging(main: bool) -> logging.Logger:
+    """The "k2jax.serve" logger on stderr: INFO on process 0, warnings only on the others."""
+    log = logging.getLogger(LOGGER)
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s k2jax serve: %(message)s", "%Y-%m-%d %H:%M:%S"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO if main else logging.WARNING)
+    log.propagate = False
+    return log
+
+
+def _check_flags(args) -> None:
+    for flag, v in (("--max-batch", args.max_batch), ("--max-len", args.max_len), ("--page-size", args.page_size),
+                    ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    for flag, v in (("--batch-wait-ms", args.batch_wait_ms), ("--drain-timeout", args.drain_timeout),
+                    ("--stats-interval", args.stats_interval)):
+        if v < 0:
+            raise ValueError(f"{flag} must be >= 0, got {v}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def _bytes_by_dtype(tree) -> str:
+    """'float32 1.23 GB' or 'bfloat16 402.00 MB + int4 301.00 MB ...': the leaves' bytes per dtype, most first."""
+    import jax
+
+    by: dict[str, int] = {}
+    for x in jax.tree.leaves(tree):
+        by[str(x.dtype)] = by.get(str(x.dtype), 0) + int(x.nbytes)
+    return " + ".join(f"{k} {_size(v)}" for k, v in sorted(by.items(), key=lambda kv: -kv[1]))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 def run(args) -> int:
     from k2jax import distributed as D
 
-    D.initialize_from_args(args)
-    import jax
+    _check_flags(args)
+    # Claim the port before anything slow (jax.distributed, loading, compiling) when this is surely process 0.
+    sock = bind(args.host, args.port) if not args.distributed and args.process_id in (None, 0) else None
+    try:
+        D.initialize_from_args(args)
+        if sock is None and D.is_main():
+            sock = bind(args.host, args.port)
+        return _run(args, sock)
+    finally:
+        if sock is not None:
+            sock.close()
 
+
+def _run(args, sock) -> int:
+    from k2jax import distributed as D
+
+    import jax
+    import jax.numpy as jnp
+
+    from k2jax.inference.cache import kv_bytes_per_token
     from k2jax.serving import compiles
+    from k2jax.serving.detok import TokenText
     from k2jax.serving.engine import Engine
 
+    log = setup_logging(D.is_main())
     compiles.install()
     use_compile_cache(args.compile_cache)
     multi = jax.process_count() > 1
     if multi and not args.mesh:
         raise ValueError("a multi-process server needs --mesh (over every process's devices)")
-    for flag, v in (("--max-batch", args.max_batch), ("--max-len", args.max_len), ("--page-size", args.page_size),
-                    ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue)):
-        if v < 1:
-            raise ValueError(f"{flag} must be >= 1, got {v}")
-    if args.batch_wait_ms < 0:
-        raise ValueError(f"--batch-wait-ms must be >= 0, got {args.batch_wait_ms}")
     t0 = time.perf_counter()
     model, params, tok, name, mesh = load_model(args)
-    D.log0(f"k2jax serve: {name} loaded in {time.perf_counter() - t0:.1f} s (weights {args.quant if args.quant != 'none' else args.dtype})")
+    log.info(f"{name} loaded in {time.perf_counter() - t0:.1f} s: compute dtype {jnp.dtype(model.param_dtype).name}, "
+             f"weights {_bytes_by_dtype(params)}" + (f" (--quant {args.quant})" if args.quant != "none" else ""))
+    if tok is None:
+        log.info("no --tokenizer: prompts must be token ids; chat and text are refused")
     sync = None
     if multi:
         from k2jax.serving.multihost import StepSync
 
         sync = StepSync()
-    from k2jax.inference.cache import kv_bytes_per_token
-    from k2jax.serving.detok import TokenText
-
     kv_tokens = args.kv_tokens
     if args.kv_memory is not None:
-        kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else str(params["embed_tokens"].dtype)
+        kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else jnp.dtype(model.param_dtype).name
         shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert"))
         kv_tokens = int(args.kv_memory * 2**30 / kv_bytes_per_token(model.cfg, kv_dtype)) * shards
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
-                    max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3)
-    D.log0(f"k2jax serve: KV cache pool {engine.kv_tokens} tokens in pages of {args.page_size} "
-           f"({engine.kv_cache_dtype}), {engine.max_batch} slots, prefix cache "
-           f"{'off' if args.no_prefix_cache else 'on'}")
-    D.log0(f"k2jax serve: compiled the engine steps in {engine.warm_up(_progress):.1f} s")
+                    max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
+                    grammars=_grammars(tok, model.cfg))
+    state = engine.runner.state
+    log.info(f"KV cache pool: {engine.kv_tokens} tokens in pages of {args.page_size}, "
+             f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
+             f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
+    compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
+    log.info(f"compiled the engine steps in {compile_s:.1f} s (prefill chunks of up to {engine.prefill_chunk})")
     if not D.is_main():
+        # A supervisor may signal every process: the followers step until process 0 tells them to stop.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: log.warning("signal ignored: this process stops when process 0 does"))
         engine.run_follower()
         jax.distributed.shutdown()  # together with process 0, which holds the coordination service
         return 0
     thread = threading.Thread(target=engine.run, name="k2jax-engine", daemon=True)
     thread.start()
-    import uvicorn
-
-    from k2jax.serving.api import make_app
-
-    app = make_app(engine, tok, name)
-    print(f"k2jax serve: http://{args.host}:{args.port}/v1 (model {name!r})", file=sys.stderr, flush=True)
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then restores the handlers it found and raises the
-    # signal again: with the default handlers that kills the process before the engine stops and, multi-host,
-    # before the other processes are told to stop (they then lose the coordination service this one holds).
-    # Handlers that ignore that second signal let the shutdown below run.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        _serve(args, sock, engine, tok, name, log)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         engine.stop()
         thread.join(timeout=90)
         if multi:
             jax.distributed.shutdown()
     return 0
+
+
+def _serve(args, sock, engine, tok, name, log) -> None:
+    """uvicorn on `sock` until a signal's drain ends."""
+    import uvicorn
+
+    from k2jax.serving.api import ServeState, make_app
+
+    state = ServeState()
+    app = make_app(engine, tok, name, api_key=args.api_key, state=state, access_log=not args.no_access_log,
+                   logger=log)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    server = _server_class()(config)
+    life = _Lifecycle(server, engine, state, args, sock, name, log)
+    server.on_started, server.on_signal = life.started, life.signal
+    # After the server stops, uvicorn restores the handlers it found; these ignore a late signal, so the engine
+    # and (multi-host) the other processes are still stopped in order below.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with our start hook and our signal handling (the drain) instead of its own."""
+
+        on_started = on_signal = None
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                self.on_started()
+
+        def handle_exit(self, sig, frame):
+            self.on_signal(sig)
+
+    return Server
+
+
+class _Lifecycle:
+    """The running server's start (URL line, stats loop) and its drain on a signal."""
+
+    def __init__(self, server, engine, state, args, sock, name, log):
+        self.server, self.engine, self.state, self.args, self.log = server, engine, state, args, log
+        self.sock, self.name = sock, name
+        self.loop = None
+        self.drain = None
+        self.hurry: asyncio.Event | None = None
+        self.signals = 0
+
+    def started(self) -> None:
+        from k2jax.serving.oplog import stats_loop
+
+        self.loop = asyncio.get_running_loop()
+        self.hurry = asyncio.Event()
+        host, port = self.sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"k2jax serve: http://{host}:{port}/v1 (model {self.name!r})", file=sys.stderr, flush=True)
+        if self.args.stats_interval > 0:
+            self.stats = self.loop.create_task(stats_loop(self.engine.metrics, self.args.stats_interval, self.log))
+
+    def signal(self, sig) -> None:
+        """In the signal handler (main thread): start the drain on the event loop; a second signal aborts the
+        running requests now; a third stops without waiting."""
+        self.signals += 1
+        if self.loop is None:  # not serving yet
+            self.server.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(self._on_signal, sig)
+
+    def _on_signal(self, sig) -> None:
+        if self.drain is None:
+            self.drain = self.loop.create_task(self._drain(signal.Signals(sig).name))
+        elif self.signals == 2:
+            self.log.info("second signal: aborting the running requests now")
+            self.hurry.set()
+        else:
+            self.server.should_exit = self.server.force_exit = True
+
+    async def _idle(self) -> None:
+        while self.state.inflight:
+            await asyncio.sleep(0.02)
+
+    async def _drain(self, why: str) -> None:
+        self.state.draining = True
+        timeout = self.args.drain_timeout
+        self.log.info(f"{why}: draining: {self.state.inflight} requests in flight may finish for up to {timeout:g} "
+                      f"s; new requests get 503")
+        hurry = asyncio.ensure_future(self.hurry.wait())
+        idle = asyncio.ensure_future(self._idle())
+        await asyncio.wait({idle, hurry}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if self.state.inflight:
+            self.log.info(f"aborting {self.state.inflight} requests still running")
+            self.engine.abort_all()
+            await asyncio.wait({idle}, timeout=ABORT_WAIT_S)
+        idle.cancel()
+        self.log.info("drained: stopping")
+        self.server.should_exit = True

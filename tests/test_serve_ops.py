@@ -1,0 +1,253 @@
+"""`k2jax serve` as operators run it, each case on a server started with its own flags (the small random
+checkpoint of serve_util, float32): a taken port, `k2jax --version`, the queue counted after admission, the
+API key, the logs, and SIGTERM with requests in flight. The frequency_penalty case runs on the demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import REPO
+from tests.serve_util import env, free_port, metric, serve_argv, wait_ready, write_model
+
+KEY = "sk-test-k2jax"
+DRAIN_S = 3
+LONG = 4000  # tokens: far more than a drain lets run on CPU
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("serve_ops"))
+
+
+class Server:
+    """A `k2jax serve` process whose output goes to a file the test can read while it runs."""
+
+    def __init__(self, argv, port, log_path, extra_env=None):
+        self.port, self.log_path = port, log_path
+        self.out = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, env=env() | (extra_env or {}), cwd=REPO, stdout=self.out,
+                                     stderr=subprocess.STDOUT, text=True)
+        wait_ready(port, [self.proc])
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+
+
+def test_version_flag():
+    import k2jax
+
+    r = subprocess.run([sys.executable, "-m", "k2jax.cli", "--version"], env=env(), cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"k2jax {k2jax.__version__}"
+
+
+def test_a_taken_port_fails_at_once_naming_it(files):
+    import socket
+
+    ckpt, tok = files
+    t0 = time.perf_counter()  # the floor: starting Python and importing k2jax (slow on a busy machine)
+    subprocess.run([sys.executable, "-c", "import k2jax"], env=env(), cwd=REPO, check=True, timeout=120)
+    floor = time.perf_counter() - t0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.perf_counter()
+        r = subprocess.run(serve_argv(ckpt, tok, port), env=env(), cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+        took = time.perf_counter() - t0
+    assert r.returncode == 2, r.stderr
+    assert f"--port {port}" in r.stderr and "already in use" in r.stderr, r.stderr
+    assert "loaded" not in r.stderr  # refused before loading anything
+    # under 3 s on an idle machine (about 1.2 s on 2 cores); on a loaded one, within 1 s of the import
+    assert took < max(3.0, floor + 1.0), f"{took:.1f} s to notice a taken port (importing k2jax: {floor:.1f} s)"
+
+
+# --- the queue ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def small(files, tmp_path_factory):
+    """2 slots, a queue of 1."""
+    ckpt, tok = files
+    port = free_port()
+    s = Server(serve_argv(ckpt, tok, port, "--max-batch", "2", "--max-queue", "1", "--max-len", "1024",
+                          "--prefill-chunk", "16"), port, tmp_path_factory.mktemp("small") / "out.log")
+    yield s
+    s.stop()
+
+
+def test_the_queue_is_counted_after_admission(small):
+    """--max-batch 2 --max-queue 1: three simultaneous requests are all taken (two run, one waits), a fourth
+    gets 429 rate_limit_exceeded."""
+    url = f"http://127.0.0.1:{small.port}/v1/completions"
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as c:
+            first = [asyncio.ensure_future(c.post(url, json=body)) for _ in range(3)]
+            t0 = time.time()
+            while not (metric(small.port, "k2jax_slots_in_use") == 2 and metric(small.port, "k2jax_queue_depth") == 1):
+                assert time.time() - t0 < 60 and not any(f.done() for f in first), [f.result() for f in first
+                                                                                     if f.done()]
+                await asyncio.sleep(0.01)
+            fourth = await c.post(url, json=body | {"max_tokens": 2})
+            return [await f for f in first], fourth
+
+    first, fourth = asyncio.run(main())
+    assert [r.status_code for r in first] == [200] * 3, [r.text for r in first]
+    assert fourth.status_code == 429 and fourth.headers["retry-after"].isdigit()
+    assert fourth.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+# --- API key, logs and SIGTERM: one server, stopped by the last test ------------------------------------
+
+@pytest.fixture(scope="module")
+def ops(files, tmp_path_factory):
+    ckpt, tok = files
+    port = free_port()
+    s = Server(serve_argv(ckpt, tok, port, "--max-batch", "8", "--max-queue", "16", "--max-len", "4096",
+                          "--prefill-chunk", "32", "--stats-interval", "0.5", "--drain-timeout", str(DRAIN_S)),
+               port, tmp_path_factory.mktemp("ops") / "out.log", extra_env={"K2JAX_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+def test_the_api_key_guards_the_api_but_not_health(ops):
+    base = f"http://127.0.0.1:{ops.port}"
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": [5], "max_tokens": 1})  # no key at all
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}).status_code == 401
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(base + path).status_code == 200, path
+    c = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY)
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+    r = c.completions.create(model="tiny", prompt=[5, 6], max_tokens=3, temperature=0)
+    assert len(r.choices[0].token_ids) >= 1
+
+
+def test_the_logs_say_what_the_server_does(ops):
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{ops.port}/v1", api_key=KEY, max_retries=0)
+    c.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=7, temperature=0,
+                         extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny", prompt=[5], top_p=2.0)
+    long = c.completions.create(model="tiny", prompt=[5], max_tokens=600, temperature=0,
+                                extra_body={"ignore_eos": True})  # busy for a while: stats lines
+    assert long.usage.completion_tokens == 600
+    time.sleep(1.0)  # the stats line of the last interval
+    log = ops.log()
+    n = int(log.split("compiling 1/")[1].split(":")[0])
+    assert all(f"compiling {k}/{n}: " in log for k in range(1, n + 1))
+    assert "compute dtype float32, weights float32" in log and "cache float32" in log
+    lines = log.splitlines()
+    assert any('"POST /v1/completions" 200 prompt_tokens=4 completion_tokens=7 ttft=' in ln and " total=" in ln
+               for ln in lines), log[-3000:]
+    assert any('"POST /v1/completions" 400 ' in ln and 'error="top_p: must be in' in ln for ln in lines)
+    stats = [ln for ln in lines if "stats: running 1, waiting 0" in ln]
+    assert stats and "generation " in stats[0] and "tokens/s" in stats[0] and "% in use" in stats[0]
+
+
+def test_sigterm_drains_then_aborts_and_exits_0(ops):
+    """8 streams and 8 non-streamed requests in flight, half of them too long to finish: SIGTERM makes new
+    requests 503 at once, the short ones finish, the long ones end with finish_reason "abort" and [DONE] (or
+    a JSON 503) after the drain timeout; the server exits 0 without a traceback."""
+    base = f"http://127.0.0.1:{ops.port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def body(i, stream):
+        return {"model": "tiny", "prompt": [5 + i, 6, 7], "max_tokens": LONG if i % 2 else 16, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+
+    async def stream(c, i):
+        lines = []
+        async with c.stream("POST", f"{base}/v1/completions", json=body(i, True)) as r:
+            assert r.status_code == 200
+            async for ln in r.aiter_lines():
+                if ln:
+                    lines.append(ln)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        reasons = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]]
+        return reasons, sum(len(ch["choices"][0]["token_ids"]) for ch in chunks)
+
+    async def whole(c, i):
+        r = await c.post(f"{base}/v1/completions", json=body(i, False))
+        if r.status_code == 503:
+            assert r.json()["error"]["code"] == "server_shutting_down"
+            return ["503"], 0
+        assert r.status_code == 200, r.text
+        return [r.json()["choices"][0]["finish_reason"]], r.json()["usage"]["completion_tokens"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, headers=auth) as c:
+            tasks = [asyncio.ensure_future(stream(c, i)) for i in range(8)] + \
+                    [asyncio.ensure_future(whole(c, i)) for i in range(8)]
+            t0 = time.time()
+            while metric(ops.port, "k2jax_slots_in_use") < 8:
+                assert time.time() - t0 < 60
+                await asyncio.sleep(0.01)
+            ops.proc.send_signal(signal.SIGTERM)
+            sent = time.time()
+            await asyncio.sleep(0.3)
+            late = await c.post(f"{base}/v1/completions", json=body(0, False))
+            health = await c.get(f"{base}/health")
+            return await asyncio.gather(*tasks), late, health, sent
+
+    results, late, health, sent = asyncio.run(main())
+    try:
+        rc = ops.proc.wait(timeout=DRAIN_S + 30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the server did not exit after SIGTERM") from None
+    took = time.time() - sent
+    assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
+    assert health.status_code == 503
+    short = [r for i, r in enumerate(results) if i % 2 == 0]
+    long = [r for i, r in enumerate(results) if i % 2 == 1]
+    assert all(reasons == ["length"] and n == 16 for reasons, n in short), short
+    assert all(reasons in (["abort"], ["503"]) for reasons, _ in long), long
+    assert sum(reasons == ["abort"] for reasons, _ in long) == 4  # the four streams
+    log = ops.log()
+    assert rc == 0, log[-3000:]
+    assert "Traceback" not in log and "Error" not in log.split("draining")[1], log[-3000:]
+    assert "SIGTERM: draining" in log and "aborting 8 requests" in log
+    assert took < DRAIN_S + 15, f"exited {took:.1f} s after SIGTERM"
+
+
+# --- sampling on the demo model -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_frequency_penalty_lowers_repetition_on_the_demo_model(tmp_path):
+    """The same seed with and without a high frequency_penalty: fewer repeated tokens with it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "k2jax.cli", "serve", "--demo", "--port", str(port), "--max-batch", "2",
+            "--max-len", "192", "--prefill-chunk", "64"]
+    s = Server(argv, port, tmp_path / "out.log")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        kw = dict(model="k2jax-demo", prompt="The quick brown fox", max_tokens=128, temperature=0.7, seed=3,
+                  extra_body={"ignore_eos": True})
+        plain = c.completions.create(**kw).choices[0].token_ids
+        penalized = c.completions.create(frequency_penalty=2.0, **kw).choices[0].token_ids
+        repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
+        assert repeats(plain) > 0, "no repetition to lower: a blind test"
+        assert repeats(penalized) < repeats(plain), (repeats(penalized), repeats(plain))
+    finally:
+        s.stop()
