@@ -189,7 +189,8 @@ BAD = [
     ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "functions.f:0", "type": "function", "function": {"arguments": "{}"}}]}],
      r"messages\[1\]\.tool_calls\[0\]\.function\.name"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], r"messages\[0\]\.content\[0\]\.type"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"messages\[0\]\.content\[0\]\.type"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
     ([{"role": "user"}], r"messages\[0\]\.content"),
     ([{"role": "assistant", "content": None}], r"messages\[0\]\.content"),
