@@ -187,3 +187,18 @@ def test_special_tokens_kept_when_not_skipped(tok):
     text = "a<|im_middle|>b"
     assert parse_output(text, hide=hidden_names(tok, skip_special_tokens=False)).content == text
     assert parse_output(text, hide=hidden_names(tok)).content == "ab"
+
+
+def test_parsed_calls_render_back_verbatim(tok):
+    """An agent loop's second prompt carries the model's own section and the tool result under its id."""
+    from k2jax.serving.chat_template import ChatTemplate
+
+    out = "Checking. " + SB + call("functions.get_weather:0", '{"city": "Beijing"}') + SE
+    msg = parse_output(out, tools=True, hide=hidden_names(tok))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    prompt = ChatTemplate.builtin().render(
+        [{"role": "user", "content": "Weather?"}, msg.to_openai(),
+         {"role": "tool", "tool_call_id": msg.tool_calls[0]["id"], "content": "Sunny"}], tools=tools)
+    assert "<|im_assistant|>assistant<|im_middle|>" + out + "<|im_end|>" in prompt
+    assert prompt.endswith("<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nSunny<|im_end|>"
+                           "<|im_assistant|>assistant<|im_middle|>")

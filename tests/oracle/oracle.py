@@ -39,7 +39,7 @@ Request (JSON dict; every part optional except as noted):
                (default true), "kwargs"?: {...} (chat_template_kwargs), "special_tokens"?: {"bos_token": ...}}:
                transformers' own tokenizer.apply_chat_template(..., tokenize=False) on that template, with a
                stand-in tokenizer whose special-token map is `special_tokens` -> "chat_template.text" (a 0-d
-               unicode array). Needs no model (no config).
+               unicode array). Needs no model (no config). jinja2 comes with torch (which requires it).
   out          path of the .npz to write (required).
 
 npz keys: logits [B,T,V]; bias_changes_choice (scalar; fraction of MoE-layer tokens whose top-k set changes when
