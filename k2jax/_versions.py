@@ -17,6 +17,8 @@ FLOORS = {
     "chex": "0.1.87",
     "safetensors": "0.4.2",
     "tiktoken": "0.5.2",
+    "jinja2": "3.1.6",  # chat templates are untrusted code: older releases have sandbox escapes
+    "llguidance": "1.9.1",
 }
 
 

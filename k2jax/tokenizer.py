@@ -136,6 +136,11 @@ class KimiTokenizer:
         return self._enc.n_vocab
 
     @property
+    def mergeable_ranks(self) -> dict[bytes, int]:
+        """The regular tokens' bytes -> id (the tiktoken ranks); do not modify."""
+        return self._ranks
+
+    @property
     def stop_ids(self) -> list[int]:
         """Ids that end a generated assistant turn."""
         return [self.special_tokens["<|im_end|>"], self.eos_id]

@@ -35,6 +35,11 @@ Request (JSON dict; every part optional except as noted):
                own "pack-quantized" compressor (Kimi-K2-Thinking's format; symmetric int4, groups of 32) ->
                "pack_int4.weight_packed" int32, "pack_int4.weight_shape"; with "packed", its own decompression of
                that tensor with `scale` -> "pack_int4.unpacked" float32. Needs no model (no config).
+  chat_template {"template": jinja text, "messages": [...], "tools"?: [...], "add_generation_prompt"?: bool
+               (default true), "kwargs"?: {...} (chat_template_kwargs), "special_tokens"?: {"bos_token": ...}}:
+               transformers' own tokenizer.apply_chat_template(..., tokenize=False) on that template, with a
+               stand-in tokenizer whose special-token map is `special_tokens` -> "chat_template.text" (a 0-d
+               unicode array). Needs no model (no config). jinja2 comes with torch (which requires it).
   out          path of the .npz to write (required).
 
 npz keys: logits [B,T,V]; bias_changes_choice (scalar; fraction of MoE-layer tokens whose top-k set changes when
@@ -222,6 +227,29 @@ def unpack_int4(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) 
     bf16 scale goes in as float32, so the products (nibble - 8) * scale stay exact instead of rounding to bf16."""
     sd = {"weight_packed": packed, "weight_scale": scale.float(), "weight_shape": shape}
     return _compressor().decompress(sd, _int4_scheme())["weight"].float()
+
+
+_CHAT_TOKENIZERS: dict[str, object] = {}
+
+
+def _chat_template(r) -> dict[str, np.ndarray]:
+    """transformers' apply_chat_template (tokenize=False) on r["template"]. The tokenizer is a one-word stand-in:
+    only its special-token map (bos_token, eos_token, ...) reaches the template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    special = r.get("special_tokens") or {}
+    key = json.dumps(special, sort_keys=True)
+    if key not in _CHAT_TOKENIZERS:
+        vocab = {t: i for i, t in enumerate(dict.fromkeys(["[UNK]", *special.values()]))}
+        _CHAT_TOKENIZERS[key] = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), **special)
+    tok = _CHAT_TOKENIZERS[key]
+    text = tok.apply_chat_template(r["messages"], tools=r.get("tools"), chat_template=r["template"],
+                                   add_generation_prompt=r.get("add_generation_prompt", True), tokenize=False,
+                                   **(r.get("kwargs") or {}))
+    return {"chat_template.text": np.array(text)}
 
 
 def _pack_int4(r) -> dict[str, np.ndarray]:
@@ -603,7 +631,9 @@ def handle(req: dict) -> str:
     out = {}
     if req.get("pack_int4"):
         out.update(_pack_int4(req["pack_int4"]))
-    if set(req) <= {"pack_int4", "out"}:
+    if req.get("chat_template"):
+        out.update(_chat_template(req["chat_template"]))
+    if set(req) <= {"pack_int4", "chat_template", "out"}:
         _write_npz(req["out"], out)
         return req["out"]
     _, entry = _model_for(req)

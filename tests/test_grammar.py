@@ -1,0 +1,270 @@
+"""Constrained decoding through k2jax.serving.grammar with random logits (no model) over the demo tokenizer's
+real BPE pieces: every output is checked by an independent validator (jsonschema, and the tool-call parser),
+never by the grammar library itself."""
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from k2jax.serving import tool_calls
+from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer, fill_bitmasks, pack_bits, unpack_bits
+from k2jax.tokenizer import KimiTokenizer, load_ranks, write_test_tokenizer
+
+PAD = 37  # the model's vocab is the tokenizer's plus padding ids, and not a multiple of 32
+MAX_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return KimiTokenizer.from_dir(write_test_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def gtok(tok):
+    return GrammarTokenizer(tok, tok.vocab_size + PAD)
+
+
+@pytest.fixture(scope="module")
+def compiler(gtok):
+    return GrammarCompiler(gtok)
+
+
+def decode(matcher, gtok, rng, bias=None):
+    """Sample with random logits under the mask until a stop token; -> (ids without the stop, stop id)."""
+    row = np.zeros(gtok.words, dtype=np.int32)
+    out = []
+    for _ in range(MAX_STEPS):
+        matcher.fill_bitmask(row)
+        allowed = unpack_bits(row, gtok.vocab_size)
+        assert allowed.any(), matcher.error
+        assert not allowed[gtok.tokenizer.vocab_size:].any()  # padding ids are never allowed
+        logits = rng.standard_normal(gtok.vocab_size) * 3.0
+        if bias is not None:
+            logits += bias
+        logits[~allowed] = -np.inf
+        p = np.exp(logits - logits.max())
+        t = int(rng.choice(gtok.vocab_size, p=p / p.sum()))
+        assert matcher.accept(t), (t, matcher.error)
+        if t in gtok.stop_ids:
+            assert matcher.is_terminated()
+            return out, t
+        out.append(t)
+    raise AssertionError(f"no stop token after {MAX_STEPS} steps: {gtok.tokenizer.decode(out)!r}")
+
+
+def random_schema(rng, depth=0):
+    """A random JSON schema: nested objects (required fields, no extra keys), enums, arrays, bounded
+    strings and integers, numbers, booleans, nullable values."""
+    kinds = ["string", "integer", "enum", "boolean", "number", "array", "nullable"]
+    kinds += ["object"] * 2 if depth < 2 else []
+    kind = kinds[rng.integers(len(kinds))]
+    if kind == "string":
+        return {"type": "string", "maxLength": int(rng.integers(1, 12))}
+    if kind == "integer":
+        lo = int(rng.integers(-50, 50))
+        return {"type": "integer", "minimum": lo, "maximum": lo + int(rng.integers(0, 1000))}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind == "enum":
+        return {"enum": ["red", "green", "blue", 7, None][: int(rng.integers(2, 6))]}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "nullable":
+        return {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 5}]}
+    if kind == "array":
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": int(rng.integers(0, 2)),
+                "maxItems": 3}
+    return random_object(rng, depth + 1)
+
+
+def random_object(rng, depth=0):
+    n = int(rng.integers(1, 5))
+    props = {f"k{i}_{int(rng.integers(100))}": random_schema(rng, depth) for i in range(n)}
+    required = [k for k in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def test_fifty_json_schema_requests_validate(tok, gtok, compiler):
+    rng = np.random.default_rng(0)
+    misses = compiler.misses
+    for i in range(50):
+        schema = random_object(rng)
+        schema["properties"][f"nested{i}"] = {"type": "object", "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+            "inner": random_object(rng, 1)}, "required": ["tags", "inner"], "additionalProperties": False}
+        schema["required"].append(f"nested{i}")
+        rf = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": bool(i % 2)}}
+        ids, _ = decode(compiler.for_request(response_format=rf).matcher(), gtok, rng)
+        value = json.loads(tok.decode(ids))
+        jsonschema.validate(value, schema)
+        assert f"nested{i}" in value
+    assert compiler.misses == misses + 50  # fifty different schemas, fifty compilations
+
+
+def test_json_object(tok, gtok, compiler):
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        # Bias towards closing brackets so an unconstrained object still ends within MAX_STEPS.
+        bias = np.zeros(gtok.vocab_size)
+        for piece in ("}", "]", '"', "0", ","):
+            bias[tok.encode(piece)] = 4.0
+        ids, _ = decode(compiler.for_request(response_format={"type": "json_object"}).matcher(), gtok, rng, bias)
+        assert isinstance(json.loads(tok.decode(ids)), dict)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {
+            "query": {"type": "string", "maxLength": 8},
+            "filters": {"type": "array", "maxItems": 2, "items": {
+                "type": "object",
+                "properties": {"field": {"enum": ["date", "site"]}, "value": {"type": "string", "maxLength": 6}},
+                "required": ["field", "value"], "additionalProperties": False}}},
+        "required": ["query"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(text, names):
+    content, calls = tool_calls.parse(text)
+    assert content is None, text  # the grammar opens the section at once: no text, and nothing malformed
+    assert calls and tool_calls.finish_reason("stop", calls) == "tool_calls"
+    for c in calls:
+        fn = c["function"]
+        assert fn["name"] in names and c["id"].startswith(f"functions.{fn['name']}:")
+        jsonschema.validate(json.loads(fn["arguments"]), SCHEMAS[fn["name"]])
+    return calls
+
+
+def test_fifty_required_tool_choice_decodes_validate(tok, gtok, compiler):
+    rng = np.random.default_rng(2)
+    grammar = compiler.for_request(tools=TOOLS, tool_choice="required")
+    seen = set()
+    for _ in range(50):
+        ids, _ = decode(grammar.matcher(), gtok, rng)
+        calls = _check_calls(tok.decode(ids), set(SCHEMAS))
+        seen |= {c["function"]["name"] for c in calls}
+    assert seen == set(SCHEMAS)  # every tool was reachable
+    assert compiler.for_request(tools=TOOLS, tool_choice="required") is grammar  # cached
+
+
+def test_named_function_decodes_validate(tok, gtok, compiler):
+    rng = np.random.default_rng(3)
+    for name in SCHEMAS:
+        grammar = compiler.for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}})
+        for _ in range(10):
+            ids, _ = decode(grammar.matcher(), gtok, rng)
+            assert len(_check_calls(tok.decode(ids), {name})) == 1
+
+
+def test_termination_forces_the_stop_tokens(tok, gtok, compiler):
+    schema = {"type": "object", "properties": {"x": {"const": 1}}, "required": ["x"], "additionalProperties": False}
+    m = compiler.json_schema(schema).matcher()
+    row = np.zeros(gtok.words, dtype=np.int32)
+    for t in tok.encode('{"x": 1}'):
+        assert not m.can_stop()
+        assert m.accept(t)
+    assert m.can_stop() and not m.is_terminated()
+    m.fill_bitmask(row)
+    assert set(np.nonzero(unpack_bits(row, gtok.vocab_size))[0]) == set(tok.stop_ids)
+    assert m.accept(tok.special_tokens["<|im_end|>"]) and m.is_terminated()
+    # A rejected token: False, an error state, and only the stop tokens stay allowed.
+    m = compiler.json_schema(schema).matcher()
+    assert not m.accept(tok.encode("hello")[0])
+    assert m.error
+    m.fill_bitmask(row)
+    assert set(np.nonzero(unpack_bits(row, gtok.vocab_size))[0]) <= set(tok.stop_ids)
+    assert not compiler.json_schema(schema).matcher().accept(gtok.vocab_size - 1)  # a padding id
+
+
+def test_rollback_and_batched_masks(tok, gtok, compiler):
+    g1 = compiler.for_request(tools=TOOLS, tool_choice="required")
+    g2 = compiler.json_schema(SCHEMAS["add"])
+    a, b = g1.matcher(), g2.matcher()
+    first = np.zeros(gtok.words, dtype=np.int32)
+    a.fill_bitmask(first)
+    prefix = tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>functions.add:", allow_special=True)
+    assert all(a.accept(t) for t in prefix)
+    assert a.rollback(len(prefix))
+    again = np.zeros(gtok.words, dtype=np.int32)
+    a.fill_bitmask(again)
+    np.testing.assert_array_equal(first, again)
+    opens = {tok.special_tokens["<|tool_calls_section_begin|>"]}
+    assert set(np.nonzero(unpack_bits(first, gtok.vocab_size))[0]) == opens  # a forced call opens the section
+    # Rows filled together equal rows filled one by one; untouched rows stay as they were.
+    batch = np.full((3, gtok.words), -1, dtype=np.int32)
+    fill_bitmasks([(a, 0), (b, 2)], batch)
+    single = np.zeros(gtok.words, dtype=np.int32)
+    b.fill_bitmask(single)
+    np.testing.assert_array_equal(batch[0], first)
+    np.testing.assert_array_equal(batch[2], single)
+    assert (batch[1] == -1).all()
+    with pytest.raises(ValueError, match="bitmask row"):
+        a.fill_bitmask(np.zeros(gtok.words + 1, dtype=np.int32))
+
+
+def test_bit_layout():
+    allowed = np.zeros(70, dtype=bool)
+    allowed[[0, 31, 32, 69]] = True
+    words = pack_bits(allowed)
+    assert words.dtype == np.int32 and words.shape == (3,)
+    assert words[0] == np.int32(-2147483647)  # bits 0 and 31
+    assert words[1] == 1 and words[2] == 1 << 5
+    np.testing.assert_array_equal(unpack_bits(words, 70), allowed)
+
+
+def _accepts(grammar, tok, text):
+    m = grammar.matcher()
+    return all(m.accept(t) for t in tok.encode(text, allow_special=True)) and m.accept(tok.stop_ids[0])
+
+
+def test_reasoning_before_the_constrained_part(tok, compiler, tmp_path):
+    g = compiler.for_request(response_format={"type": "json_object"}, reasoning=True)
+    assert _accepts(g, tok, '<think>maybe {"a": 1}? no.</think>{"a": 2}')
+    assert _accepts(g, tok, '{"a": 2}')  # thinking may be skipped
+    assert not _accepts(g, tok, '<think>unclosed {"a": 2}')
+    g = compiler.for_request(tools=TOOLS, tool_choice="required", reasoning_at_start=True)
+    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>'
+            '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>')
+    assert _accepts(g, tok, "I will add.</think>" + call)
+    assert not _accepts(g, tok, call)
+    # With <think> and </think> as special tokens (K2-Thinking's tokenizer), they are matched as tokens.
+    d = write_test_tokenizer(tmp_path / "think")
+    n = len(load_ranks(d / "tiktoken.model"))
+    think_tok = KimiTokenizer(load_ranks(d / "tiktoken.model"), special_names={n + 20: "<think>", n + 21: "</think>"})
+    g = GrammarCompiler(GrammarTokenizer(think_tok, think_tok.vocab_size)).for_request(
+        response_format={"type": "json_object"}, reasoning=True)
+    assert _accepts(g, think_tok, '<think>hmm</think>{"b": true}')
+    assert think_tok.encode("<think>", allow_special=True) == [n + 20]
+
+
+def test_bad_requests_raise_value_error(compiler):
+    with pytest.raises(ValueError, match=r"tool_choice\.function\.name"):
+        compiler.for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="tool_choice"):
+        compiler.for_request(tool_choice="required")
+    with pytest.raises(ValueError, match=r"response_format\.type"):
+        compiler.for_request(response_format={"type": "yaml"})
+    with pytest.raises(ValueError, match=r"response_format\.json_schema\.schema"):
+        compiler.for_request(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    strict = {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "string"}}, "strict": True}}
+    with pytest.raises(ValueError, match=r"response_format\.json_schema\.schema"):
+        compiler.for_request(response_format=strict)
+    lenient = {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "string"}}}}
+    assert compiler.for_request(response_format=lenient) is not None  # unsupported keyword ignored
+    with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
+        compiler.for_request(tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="required")
+    assert compiler.for_request(tools=TOOLS, tool_choice="auto") is None
+    assert compiler.for_request(response_format={"type": "text"}) is None
+    with pytest.raises(ValueError, match="vocab_size"):
+        GrammarTokenizer(compiler.gtok.tokenizer, 10)
