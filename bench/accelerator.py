@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k2jax import K2Config, K2Model, abstract_params  # noqa: E402
-from k2jax.inference.cache import cache_shapes  # noqa: E402
+from k2jax.inference.cache import init_cache  # noqa: E402
 from k2jax.ops.moe import moe_dense, moe_grouped  # noqa: E402
 from k2jax.ops.quant import QuantizedWeight, is_quantized  # noqa: E402
 
@@ -141,21 +141,18 @@ def main():
             model = K2Model(cfg, jnp.bfloat16, moe_impl=impl)
             if impl == "ragged" and not over():
                 toks = jnp.ones((1, T), jnp.int32)
-                pos = jnp.arange(T, dtype=jnp.int32)[None]
-                pre = jax.jit(lambda p: model.apply({"params": p}, toks, pos, jnp.ones((1, T), bool),
-                                                    method=K2Model.prefill))
+                pre = jax.jit(lambda p: model.apply({"params": p}, toks, None, None, None, jnp.full((1,), T - 1)))
                 s = median(time_fn(pre, params, repeats=args.repeats))
                 print(f"  prefill 1x{T} ({impl}): {s * 1e3:.1f} ms, MFU {forward_flops(cfg, T) / s / peak:.3f}")
             for B in (int(b) for b in args.batches.split(",")):
                 if over():
                     skipped.append(f"{fmt} decode {impl} b{B}")
                     continue
-                S = C + 8
-                cache = jax.tree.map(lambda s: jnp.full(s.shape, 0.1, s.dtype), cache_shapes(cfg, B, S))
+                cache = init_cache(cfg, B, C + 8, "bfloat16")
+                cache = cache.replace(pages=jax.tree.map(lambda x: jnp.full(x.shape, 0.1, x.dtype), cache.pages),
+                                      lengths=jnp.full((B,), C, jnp.int32))
                 tok = jnp.ones((B, 1), jnp.int32)
-                p_B1 = jnp.full((B, 1), C, jnp.int32)
-                valid = jnp.ones((B, S), bool)
-                dec = jax.jit(lambda p, c: model.apply({"params": p}, tok, p_B1, valid, c, C, method=K2Model.decode))
+                dec = jax.jit(lambda p, c: model.apply({"params": p}, tok, None, None, c)[0])
                 s = median(time_fn(dec, params, cache, repeats=args.repeats))
                 rd = decode_read_bytes(params, cfg, B)
                 bw = f", {rd / s / 1e9:.1f} GB/s" + (f" = {rd / s / hbm:.2f} of HBM" if hbm else "")

@@ -25,25 +25,24 @@ import jax
 import jax.numpy as jnp
 
 from k2jax import K2Config, K2Model, generate, load_hf, split_experts
-from k2jax.inference.cache import cache_bytes, cache_shapes
+from k2jax.inference.cache import init_cache, kv_bytes_per_token
 from k2jax.testing import prefill_memory, random_params
 
 CONFIGS = os.path.join(REPO, "configs")
 
 
 def decode_step_times(cfg, params, batch, context, repeats, expanded=True):
-    """Seconds per decode step (absorbed, expanded) with `context` tokens already in a random cache."""
-    model = K2Model(cfg, jnp.bfloat16)
+    """Seconds per decode step (absorbed, expanded) with `context` tokens already in a random paged cache."""
     S = context + 8
+    cache = init_cache(cfg, batch, S, "bfloat16")
     key = jax.random.PRNGKey(0)
-    cache = jax.tree.map(lambda s: jax.random.normal(key, s.shape, s.dtype), cache_shapes(cfg, batch, S))
+    cache = cache.replace(pages=jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype), cache.pages),
+                          lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.ones((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), context, jnp.int32)
-    valid = jnp.ones((batch, S), bool)
     out = []
-    for absorbed in (True, False) if expanded else (True,):
-        step = jax.jit(lambda p, c, a=absorbed: model.apply({"params": p}, tokens, positions, valid, c, context,
-                                                            a, method=K2Model.decode))
+    for attention in ("auto", "plain") if expanded else ("auto",):
+        model = K2Model(cfg, jnp.bfloat16, attention=attention)  # auto: absorbed for one token per row
+        step = jax.jit(lambda p, c, m=model: m.apply({"params": p}, tokens, None, None, c)[0])
         out.append(median(time_fn(step, params, cache, repeats=repeats)))
     return out
 
@@ -70,7 +69,7 @@ def main():
     print("\n== cache bytes per token")
     for name in ("bench", "kimi_k2"):
         c = K2Config.from_hf_config(os.path.join(CONFIGS, f"{name}.json"))
-        per_tok = cache_bytes(c, 1, 1)
+        per_tok = kv_bytes_per_token(c)
         naive = c.num_hidden_layers * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * 2
         print(f"{name:8s}: {per_tok / c.num_hidden_layers:.0f} B per layer "
               f"(= ({c.kv_lora_rank} + {c.qk_rope_head_dim}) x 2), {per_tok / 2**10:.1f} KiB per token; "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k2jax import K2Config, K2Model, abstract_params, split_experts
-from k2jax.inference.cache import cache_shapes
+from k2jax.inference.cache import init_cache
 from k2jax.nn.quantized import quantize_params, quantized_layout, _keys
 from k2jax.ops.quant import is_quantized, quantize
 from k2jax.testing import random_params
@@ -106,22 +106,18 @@ def main():
         p = split_experts(trees[f])
         row = {}
         for B in (int(b) for b in args.batches.split(",")):
-            S = args.context + 8
-            cache = jax.tree.map(lambda s: jnp.asarray(np.random.default_rng(0).standard_normal(s.shape) * 0.5,
-                                                       s.dtype), cache_shapes(cfg, B, S))
+            cache = init_cache(cfg, B, args.context + 8, "bfloat16")
+            cache = cache.replace(pages=jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(0).standard_normal(
+                x.shape) * 0.5, x.dtype), cache.pages), lengths=jnp.full((B,), args.context, jnp.int32))
             tok = jnp.ones((B, 1), jnp.int32)
-            pos = jnp.full((B, 1), args.context, jnp.int32)
-            valid = jnp.ones((B, S), bool)
-            step = jax.jit(lambda p, c: model.apply({"params": p}, tok, pos, valid, c, args.context,
-                                                    method=K2Model.decode))
+            step = jax.jit(lambda p, c: model.apply({"params": p}, tok, None, None, c)[0])
             compiled = step.lower(p, cache).compile()
             row[f"decode b{B}"] = median(time_fn(compiled, p, cache, repeats=args.repeats)) * 1e3
             row[f"temp b{B} MiB"] = compiled.memory_analysis().temp_size_in_bytes / 2**20
             row[f"deq temps b{B}"] = dequant_temps(compiled.as_text(), D * F)
         T = args.prefill
         toks = jnp.ones((1, T), jnp.int32)
-        pos = jnp.arange(T, dtype=jnp.int32)[None]
-        pre = jax.jit(lambda p: model.apply({"params": p}, toks, pos, jnp.ones((1, T), bool), method=K2Model.prefill))
+        pre = jax.jit(lambda p: model.apply({"params": p}, toks, None, None, None, jnp.full((1,), T - 1)))
         row[f"prefill 1x{T}"] = median(time_fn(pre, p, repeats=args.repeats)) * 1e3
         rows.append((f, row))
     keys = list(rows[0][1])

@@ -32,7 +32,6 @@ def _generate(args) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     import k2jax
     from k2jax import distributed as D

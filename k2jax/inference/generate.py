@@ -69,7 +69,8 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
         params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
     shards = shard_count(mesh, B)
     per = B // shards
-    key = (model, B, W, page_size, kv_cache_dtype, mesh)
+    layout = tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))
+    key = (model, B, W, page_size, kv_cache_dtype, mesh, jax.tree.structure(params), layout)
     runner = _RUNNERS.get(key)
     if runner is None:  # each row: its shard's trash page, then W pages of its own
         runner = _RUNNERS[key] = Runner(model, params, slots=B, num_pages=shards * (1 + per * W),
@@ -120,7 +121,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
         steps += 1
         if on_token is not None:
             on_token(_host(token), active)
-    tokens_BN = _host(jnp.stack(tokens, 1))
+    tokens_BN = np.array(_host(jnp.stack(tokens, 1)))  # a writable copy
     lengths = np.full(B, tokens_BN.shape[1], np.int32)
     for b in range(B):
         hit = np.flatnonzero(np.isin(tokens_BN[b], stop_tokens)) if stop_tokens else []

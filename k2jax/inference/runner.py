@@ -146,7 +146,12 @@ class Runner:
         sh = self._shardings(shape)
         if sh is not None:
             batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, sh)
-        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,))
+        # The state comes back laid out as it went in (one executable serves every step); the outputs are
+        # small and replicated.
+        out = None
+        if self.mesh is not None:
+            out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(self.mesh, PartitionSpec()))
+        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), out_shardings=out)
         with self._context():
             return fn.lower(params, state, batch)
 
