@@ -35,7 +35,6 @@ from k2jax.ops.quant import dequantize_weight, is_quantized
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-RELEASE_FORMATS = (None, "fp8", "int4")
 
 
 def fp8_quantization_config(block=DEFAULT_BLOCK) -> dict:
