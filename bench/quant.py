@@ -30,8 +30,8 @@ import numpy as np
 
 from k2jax import K2Config, K2Model, abstract_params, split_experts
 from k2jax.inference.cache import init_cache
-from k2jax.nn.quantized import quantize_params, quantized_layout, _keys
-from k2jax.ops.quant import is_quantized, quantize
+from k2jax.nn.quantized import quantize_params, requantize_params
+from k2jax.ops.quant import is_quantized
 from k2jax.testing import random_params
 
 FORMATS = ("bf16", "fp8", "int4")
@@ -46,21 +46,6 @@ def held(params, fmt):
     tree = params if fmt == "bf16" else quantize_params(params, None, fmt)
     return jax.tree.map(lambda a: a if is_quantized(a) else jnp.asarray(a, jnp.bfloat16), tree,
                         is_leaf=is_quantized)
-
-
-def requantize_int4(fp8_params):
-    """An FP8 tree -> int4: the routed experts dequantized and requantized to INT4 groups of 32, the other
-    FP8 weights dequantized to bf16 (int4 holds only the routed experts quantized)."""
-    def one(path, v):
-        if not is_quantized(v):
-            return v
-        layout = quantized_layout(_keys(path), "int4")
-        w = v.dequantize(jnp.float32)
-        if layout is None:
-            return w.astype(jnp.bfloat16)
-        return quantize(w, "int4", in_ndim=layout[1], lead_ndim=layout[0])
-
-    return jax.tree_util.tree_map_with_path(one, fp8_params, is_leaf=is_quantized)
 
 
 def dequant_temps(hlo: str, min_elems: int) -> int:
@@ -131,7 +116,7 @@ def main():
 
     print("\n3. INT4 requantization of an FP8 source vs the FP8 logits (float32 compute)")
     fp8 = quantize_params(base, cfg, "fp8")
-    int4 = requantize_int4(fp8)
+    int4 = requantize_params(fp8, "int4", jnp.bfloat16)  # FP8 -> INT4 experts, the rest bf16
     ids = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 64)))
     fwd = jax.jit(lambda p: K2Model(cfg, jnp.float32).apply({"params": p}, ids))
     f32 = jax.tree.map(lambda a: a if is_quantized(a) else jnp.asarray(a, jnp.float32), fp8, is_leaf=is_quantized)

@@ -1,7 +1,8 @@
 """K2Config: the model's hyper-parameters, read from a HuggingFace DeepseekV3 / Kimi K2 `config.json`.
 
 Only keys that change the math are kept. Absent keys take transformers' DeepseekV3Config defaults, so a
-config that transformers accepts means the same model here. Unknown keys are ignored.
+config that transformers accepts means the same model here. Unknown keys are ignored. A Kimi-K2.5 / K2.6
+config (KimiK25ForConditionalGeneration) nests the text model's in `text_config`: that one is read.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class K2Config:
                 raise ValueError(f"{where}: not valid JSON: {e}") from None
             if not isinstance(raw, dict):
                 raise ValueError(f"{where}: expected a JSON object")
+        raw = text_config(raw)
         missing = [k for k in _REQUIRED if raw.get(k) is None]
         if missing:
             raise ValueError(f"{where}: missing required key {missing[0]!r}")
@@ -230,6 +232,16 @@ class K2Config:
 
     def replace(self, **changes) -> "K2Config":
         return dataclasses.replace(self, **changes)
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json dict -> the text model's config: a Kimi-K2.5 / K2.6 config's `text_config` (its
+    quantization_config from there, else the top level's), any other config as it is."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        return dict(raw)
+    qc = text.get("quantization_config") or raw.get("quantization_config")
+    return dict(text) | ({"quantization_config": qc} if qc else {})
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -5,7 +5,7 @@
       -> the sharding plan (which device holds which experts, bytes per device) -> `k2jax.generate` on a batch
       of prompts -> prefill / decode throughput
 
-The default config (DEMO_CONFIG, below) is configs/bench.json's shape (390 M params; vocabulary 1024): the whole
+The default config (k2jax.synthetic.DEMO_CONFIG) is configs/bench.json's shape (390 M params; vocabulary 1024): the whole
 run, compilation included, takes 35-50 s on a 2-core CPU. `--config` takes any other HF config.json.
 """
 
@@ -13,28 +13,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
 
-# configs/bench.json (K2's shape in miniature), with a vocabulary of 1024 for the demo tokenizer: first layer
-# dense, 7 MoE layers with a sigmoid router picking 8 of 64 experts (noaux_tc, one group) plus one shared
-# expert, MLA with a low-rank query, YaRN rope. 64 experts: 8 per device on 8 devices. 390 M params.
-DEMO_CONFIG = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
-    "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_act": "silu",
-    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_hidden_layers": 8,
-    "n_routed_experts": 64, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-    "norm_topk_prob": True, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 384, "kv_lora_rank": 256,
-    "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "max_position_embeddings": 131072,
-    "rope_theta": 50000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "vocab_size": 1024,
-    "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                     "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-}
-TOKENIZER_MERGES = 500  # a small BPE vocabulary (1012 ids with the reserved specials): fits vocab_size 1024
+import jax
+from flax import traverse_util
+
+import k2jax
+from k2jax.checkpoint.convert import convert
+from k2jax.checkpoint.hf_write import write_release_checkpoint
+from k2jax.info import count_params
+from k2jax.ops.quant import is_quantized
+from k2jax.plan import plan
+from k2jax.synthetic import DEMO_CONFIG, DEMO_TOKENIZER_DIR
+from k2jax.tokenizer import KimiTokenizer
+
 PROMPTS = [
     "The quick brown fox",
     "Kimi is a large language model",
@@ -70,8 +66,6 @@ def set_up_devices(n: int) -> None:
     devices (importing jax is fine, calling jax.devices() is not)."""
     if n <= 0:
         return
-    import jax
-
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
@@ -110,23 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(work: pathlib.Path, args) -> int:
-    import jax
-    import numpy as np
-
-    import k2jax
-    from k2jax.checkpoint.convert import convert
-    from k2jax.info import _count
-    from k2jax.plan import plan
-    from k2jax.testing import write_release_checkpoint
-    from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
-
     t_start = time.perf_counter()
     hf = DEMO_CONFIG if args.config is None else k2jax.K2Config.from_hf_config(args.config).to_hf_config()
     cfg = k2jax.K2Config.from_hf_config(hf)
     devices = jax.devices()
     spec = args.mesh or f"expert={len(devices)}"
     mesh = k2jax.make_mesh(spec)  # checked first: a bad mesh fails before minutes of work
-    n_params = _count(k2jax.abstract_params(cfg))
+    n_params = count_params(k2jax.abstract_params(cfg))
     print("k2jax demo: the real-checkpoint path (write FP8 -> convert -> sharded load -> generate) on RANDOM "
           "weights: the generated text is gibberish by design.")
     print(f"config: {args.config or 'built-in demo config (the K2 shape of configs/bench.json, vocab 1024)'}: "
@@ -141,7 +125,8 @@ def _demo(work: pathlib.Path, args) -> int:
 
     with step("writing a synthetic checkpoint in the released FP8 layout (e4m3 weights, 128x128 block scales)"):
         src = write_release_checkpoint(hf, work / "hf-fp8", seed=0)
-        tok_dir = write_test_tokenizer(work / "tokenizer", num_merges=TOKENIZER_MERGES)
+        tok_dir = work / "tokenizer"  # the demo tokenizer shipped with k2jax, beside the checkpoint
+        shutil.copytree(DEMO_TOKENIZER_DIR, tok_dir, dirs_exist_ok=True)
         size = sum(f.stat().st_size for f in src.iterdir())
         print(f"      {src}: {len(list(src.glob('*.safetensors')))} safetensors file(s), {size / MiB:.1f} MiB")
 
@@ -199,15 +184,9 @@ def _text(tok, ids, width: int = 60) -> str:
 
 def _print_plan(cfg, params, devices, estimate) -> None:
     """Per device: the expert slots it holds (from the restored arrays themselves) and its bytes."""
-    import jax
-
-    from k2jax.checkpoint.orbax_io import _flatten
-
-    from k2jax.ops.quant import is_quantized
-
     held: dict = {d: [] for d in devices}
     nbytes: dict = {d: 0 for d in devices}
-    for name, leaf in _flatten(params).items():
+    for name, leaf in traverse_util.flatten_dict(params, sep=".").items():
         arrays = (leaf.values, leaf.scales) if is_quantized(leaf) else (leaf,)
         for a in arrays:
             for s in a.addressable_shards:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-BARRIER_TIMEOUT_S = 3600  # a conversion waits for the slowest process's blocks
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,8 +65,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise ValueError(f"--process-id {process_id} / --num-processes {num_processes}: need 0 <= I < N")
     elif not auto:
         return False
-    import jax
-
     try:  # CPU processes exchange data through gloo (the TPU/GPU backends bring their own collectives)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # noqa: BLE001 - an older or newer jax without the option: its default
@@ -78,14 +78,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def process_index() -> int:
-    import jax
-
     return jax.process_index()
 
 
 def process_count() -> int:
-    import jax
-
     return jax.process_count()
 
 
@@ -106,24 +102,6 @@ def log0(*args, **kwargs) -> None:
         print(*args, file=sys.stderr, **kwargs)
 
 
-def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
-    """Wait until every process reaches the barrier `name` (no-op in a single process). Goes through the
-    coordinator's key-value service, not device collectives: conversion needs no accelerator."""
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:  # multi-process without jax.distributed (cannot happen through `initialize`)
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-        return
-    client.wait_at_barrier(name, int(timeout_s * 1000))
-
-
 def share(n: int, index: int | None = None, count: int | None = None) -> range:
     """This process's contiguous part of range(n), split as evenly as possible over the processes (the first
     n % count processes get one more)."""
@@ -134,31 +112,42 @@ def share(n: int, index: int | None = None, count: int | None = None) -> range:
     return range(start, start + q + (index < r))
 
 
-def gather_strings(name: str, value: str, timeout_s: float = BARRIER_TIMEOUT_S) -> list[str]:
-    """Every process's `value`, in process order, once all have posted theirs (a single process: [value]).
-    Goes through the coordinator's key-value service, so a process that failed can say so instead of leaving
-    the others waiting at a barrier."""
-    import jax
-
+def gather_strings(name: str, value: str) -> list[str]:
+    """Every process's `value`, in process order (a single process: [value]); every process must call it, in
+    the same order. Through two collectives over the global devices (jax.experimental.multihost_utils): the
+    lengths, then the UTF-8 bytes padded to the longest. `name` labels the exchange in errors."""
     if jax.process_count() == 1:
         return [value]
-    from jax._src import distributed
+    data = np.frombuffer(value.encode(), np.uint8)
+    try:
+        lengths = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+        padded = np.zeros(int(lengths.max()), np.uint8)
+        padded[:data.size] = data
+        rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    except Exception as e:  # noqa: BLE001 - say which exchange failed; the cause is chained
+        raise RuntimeError(f"k2jax.distributed: exchange {name!r} across {jax.process_count()} processes failed: "
+                           f"{e}") from e
+    return [bytes(row[:n]).decode() for row, n in zip(rows, lengths)]
 
-    global _GATHERS
-    _GATHERS += 1  # every process makes the same calls in the same order: the keys match, and are never reused
-    key = f"k2jax/{_GATHERS}/{name}"
-    client = distributed.global_state.client
-    client.key_value_set(f"{key}/{jax.process_index()}", value)
-    return [client.blocking_key_value_get(f"{key}/{i}", int(timeout_s * 1000)) for i in range(jax.process_count())]
+
+def broadcast_string(value: str) -> str:
+    """Process 0's `value` on every process (a single process: value); every process must call it, in the same
+    order (the others' `value` is ignored). Through two collectives (jax.experimental.multihost_utils): the
+    length, then the UTF-8 bytes."""
+    if jax.process_count() == 1:
+        return value
+    data = np.frombuffer(value.encode(), np.uint8) if jax.process_index() == 0 else np.zeros(0, np.uint8)
+    n = int(np.asarray(multihost_utils.broadcast_one_to_all(np.array(data.size, np.int64))))
+    buf = data if jax.process_index() == 0 else np.zeros(n, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).decode()
 
 
-_GATHERS = 0
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (no-op in a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def running_distributed() -> bool:
     """Whether jax.distributed is initialised in this process (without touching the devices)."""
-    try:
-        from jax._src import distributed
-    except ImportError:
-        return False
-    return distributed.global_state.client is not None
+    return jax.distributed.is_initialized()

@@ -5,37 +5,28 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
+from k2jax.ops.quant import is_quantized
+from k2jax.quant_policy import FORMATS
 
 
-def _count(tree) -> int:
+def count_params(tree) -> int:
+    """Parameters in a tree of arrays or jax.ShapeDtypeStruct (the product of each leaf's shape)."""
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _per_layer(tree, n: int) -> int:
-    return _count(tree) // n
+    return count_params(tree) // n
 
 
-def _fp8_bytes(tree, block: int = 128) -> int:
-    """Bytes in the released FP8 layout: linear weights inside the blocks are e4m3 (1 byte) with one float32
-    scale per 128x128 block; norms, router weight (bf16 here) and bias (float32) stay unquantized."""
-    total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        keys = [getattr(k, "key", str(k)) for k in path]
-        if keys[-1] == "weight" or keys[0] in ("embed_tokens", "lm_head") or keys[-2:] == ["gate", "kernel"]:
-            total += math.prod(x.shape) * 2
-        elif keys[-1] == "e_score_correction_bias":
-            total += math.prod(x.shape) * 4
-        else:
-            # Stacked [layers, (experts,)] leading axes; the matrix is [in, out...] in einsum layout.
-            lead = 1 if "experts" not in keys else 2
-            shape = x.shape
-            mats = math.prod(shape[:lead])
-            rows, cols = shape[lead], math.prod(shape[lead + 1:])
-            total += mats * (rows * cols + 4 * math.ceil(rows / block) * math.ceil(cols / block))
-    return total
+def held_bytes(cfg: K2Config, quant: str | None, dtype=jnp.bfloat16) -> int:
+    """Bytes of one copy of the params as a load holds them: the plain ones in `dtype` (the router float32),
+    the ones `quant` quantizes (k2jax.quant_policy) as their values and scales."""
+    leaves = jax.tree_util.tree_leaves(abstract_params(cfg, dtype, quant), is_leaf=is_quantized)
+    return sum(x.nbytes if is_quantized(x) else math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def parameter_table(cfg: K2Config) -> list[tuple[str, int]]:
@@ -57,21 +48,21 @@ def parameter_table(cfg: K2Config) -> list[tuple[str, int]]:
                 rows.append(("  shared experts", _per_layer(m["shared_experts"], n)))
             rows.append(("  router (weight + bias)", _per_layer(m["gate"], n)))
         rows.append((f"{kind} block", _per_layer(g, n)))
-        rows.append((f"{n} {kind} blocks", _count(g)))
-    rows.append(("embed_tokens", _count(p["embed_tokens"])))
+        rows.append((f"{n} {kind} blocks", count_params(g)))
+    rows.append(("embed_tokens", count_params(p["embed_tokens"])))
     if "lm_head" in p:
-        rows.append(("lm_head", _count(p["lm_head"])))
-    rows.append(("final norm", _count(p["norm"])))
-    rows.append(("whole model", _count(p)))
+        rows.append(("lm_head", count_params(p["lm_head"])))
+    rows.append(("final norm", count_params(p["norm"])))
+    rows.append(("whole model", count_params(p)))
     return rows
 
 
 def active_params_per_token(cfg: K2Config) -> int:
     """Parameters a token touches: everything except the routed experts it was not sent to."""
     p = abstract_params(cfg)
-    total = _count(p)
+    total = count_params(p)
     if cfg.num_moe_layers:
-        experts = _count(p["moe_layers"]["mlp"]["experts"])
+        experts = count_params(p["moe_layers"]["mlp"]["experts"])
         total -= experts - experts * cfg.num_experts_per_tok // cfg.n_routed_experts
     return total
 
@@ -82,13 +73,9 @@ def format_info(cfg: K2Config) -> str:
     width = max(len(name) for name, _ in rows)
     lines = [f"{'component':<{width}}  {'parameters':>19}"]
     lines += [f"{name:<{width}}  {n:>19,}" for name, n in rows]
-    p = abstract_params(cfg)
-    total = rows[-1][1]
-    lines += [
-        "",
-        f"active parameters per token: {active_params_per_token(cfg):,}",
-        f"bytes in bfloat16: {2 * total:,} ({2 * total / 2**30:,.1f} GiB)",
-        f"bytes in fp8 (e4m3 block weights + 128x128 float32 scales, rest bf16): "
-        f"{_fp8_bytes(p):,} ({_fp8_bytes(p) / 2**30:,.1f} GiB)",
-    ]
+    lines += ["", f"active parameters per token: {active_params_per_token(cfg):,}"]
+    for quant, what in ((None, "bfloat16 (the router float32)"),
+                        *((q, f"{q} (as {f.release} holds it, the rest bf16)") for q, f in FORMATS.items())):
+        n = held_bytes(cfg, quant)
+        lines.append(f"bytes in {what}: {n:,} ({n / 2**30:,.1f} GiB)")
     return "\n".join(lines)

@@ -26,6 +26,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
+from k2jax.ops.spec import shard_count  # noqa: F401  (re-exported: how many pieces a spec entry cuts a dim into)
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis name (as annotated in k2jax.nn) -> mesh axis (or axes, or None = replicated).
@@ -128,13 +130,6 @@ def constrain(x, names: tuple[str | None, ...]):
     if not rules or not mesh.shape:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape), rules))
-
-
-def shard_count(entry, mesh_shape: dict[str, int]) -> int:
-    """How many pieces one PartitionSpec entry (None, an axis, or a tuple of axes) cuts a dimension into."""
-    if entry is None:
-        return 1
-    return math.prod(mesh_shape.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry))
 
 
 def format_bytes(n: float) -> str:

@@ -30,7 +30,7 @@ def free_port() -> int:
 def write_model(root):
     """-> (checkpoint dir, tokenizer dir) under root."""
     from k2jax.testing import write_release_checkpoint
-    from k2jax.tokenizer import write_test_tokenizer
+    from tests.bpe import write_test_tokenizer
 
     ckpt = write_release_checkpoint(CFG, root / "ckpt", seed=0, fast=True)
     tok = write_test_tokenizer(root / "tok", num_merges=MERGES)

@@ -12,8 +12,8 @@ import pytest
 
 from k2jax import K2Config, abstract_params, load_hf
 from k2jax.checkpoint import (
-    Checkpoint, SafetensorsError, SafetensorsFile, UnknownTensorError, dequantize, expected_names,
-    layer_names, quantize, resolve, save_hf, scale_shape, source_shape,
+    Checkpoint, SafetensorsError, SafetensorsFile, UnknownTensorError, dequantize_fp8_blocks, expected_names,
+    layer_names, quantize_fp8_blocks, resolve, save_hf, scale_shape, source_shape,
 )
 from k2jax.checkpoint.fp8 import ensure_numpy_float8
 from k2jax.checkpoint.safetensors_io import write_file
@@ -164,12 +164,12 @@ def test_dequantize_matches_naive_loop(shape, block):
     q = (rng.standard_normal(shape) * 50).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
     s = rng.uniform(1e-4, 1e-2, scale_shape(shape, block)).astype(np.float32)
     want = naive_dequantize(q, s, block)
-    got = dequantize(q, s, block, np.float32)
+    got = dequantize_fp8_blocks(q, s, block, np.float32)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(dequantize(q, s, block, jnp.bfloat16), want.astype(jnp.bfloat16))
-    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(q), jnp.asarray(s), block)), want)
+    np.testing.assert_array_equal(dequantize_fp8_blocks(q, s, block, jnp.bfloat16), want.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(dequantize_fp8_blocks(jnp.asarray(q), jnp.asarray(s), block)), want)
     with pytest.raises(ValueError, match="scale_inv shape"):
-        dequantize(q, s[:, :-1], block)
+        dequantize_fp8_blocks(q, s[:, :-1], block)
 
 
 def test_quantize_round_trip_and_zero_blocks():
@@ -177,16 +177,16 @@ def test_quantize_round_trip_and_zero_blocks():
     w = rng.standard_normal((300, 200)).astype(np.float32)
     w[:128, :128] = 0.0  # a whole zero block
     w[290:, 190:] *= 1e4  # a partial edge block with a much larger range
-    q, s = quantize(w)
+    q, s = quantize_fp8_blocks(w)
     assert q.dtype == ml_dtypes.float8_e4m3fn and s.dtype == np.float32 and s.shape == (3, 2)
     assert s[0, 0] == 1.0 and np.all(s > 0) and np.all(np.isfinite(q.astype(np.float32)))
-    back = dequantize(q, s)
+    back = dequantize_fp8_blocks(q, s)
     np.testing.assert_array_equal(back[:128, :128], 0.0)
     err = np.abs(back - w) / np.repeat(np.repeat(s * 448, 128, 0), 128, 1)[:300, :200]
     assert err.max() <= 2.0**-4  # E4M3: 3 mantissa bits, half an ulp of the block's largest value
-    qj, sj = quantize(jnp.asarray(w))  # XLA may divide by a reciprocal: scales equal to an ulp
+    qj, sj = quantize_fp8_blocks(jnp.asarray(w))  # XLA may divide by a reciprocal: scales equal to an ulp
     np.testing.assert_allclose(np.asarray(sj), s, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(dequantize(qj, sj)), back, rtol=2.0**-3, atol=1e-30)
+    np.testing.assert_allclose(np.asarray(dequantize_fp8_blocks(qj, sj)), back, rtol=2.0**-3, atol=1e-30)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def test_more_problems_missing_layer_orphan_scale_dtype(tmp_path):
     t["model.layers.1.self_attn.q_a_layernorm.weight"] = np.zeros(24, np.int64)
     # multi-token-prediction layers (index >= num_hidden_layers) are skipped whatever they hold
     t["model.layers.9.whatever"] = np.zeros(3, np.float32)
-    t["model.layers.4.eh_proj.weight"], t["model.layers.4.eh_proj.weight_scale_inv"] = quantize(np.ones((48, 96)))
+    t["model.layers.4.eh_proj.weight"], t["model.layers.4.eh_proj.weight_scale_inv"] = quantize_fp8_blocks(np.ones((48, 96)))
     rewrite_single(tmp_path, t)
     with pytest.raises(ValueError) as e:
         load_hf(tmp_path)

@@ -16,9 +16,10 @@ import pytest
 
 import k2jax
 from k2jax import K2Model, load_hf
-from k2jax.checkpoint import names as N
-from k2jax.checkpoint.convert import KILL_AFTER_ENV, convert, main
-from k2jax.checkpoint.orbax_io import MANIFEST, IncompleteCheckpointError
+from k2jax.ops.quant import QuantizedWeight
+from k2jax.checkpoint import names as hf_names
+from k2jax.checkpoint.convert import convert, main
+from k2jax.checkpoint.orbax_layout import MANIFEST, IncompleteCheckpointError
 from k2jax.checkpoint.safetensors_io import Checkpoint, write_file
 from k2jax.testing import run_measured, write_release_checkpoint
 from tests.conftest import flat
@@ -126,21 +127,24 @@ def test_plain_orbax_restore_and_shardings(dst_bf16):
 
 
 def test_float8_round_trip(src, dst_bf16, tmp_path):
+    """A float8 conversion holds the release's e4m3 bytes and block scales as stored (transposed into k2jax's
+    layout), as QuantizedWeight leaves; dequantized on load, on device, it is the bf16 / f32 conversion."""
     d = tmp_path / "f8"
     assert main([str(src), str(d), "--dtype", "float8", "--quiet"]) == 0
-    cfg, stored = k2jax.load(d, dtype="float8")
-    leaves = {tuple(k.key for k in p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(stored)}
+    cfg, stored = k2jax.load(d, quant="fp8")
+    leaves = {tuple(k.key for k in p): v for p, v in
+              jax.tree_util.tree_leaves_with_path(stored, is_leaf=lambda x: isinstance(x, QuantizedWeight))}
     n_fp8 = 0
     with Checkpoint(src) as ck:
         for name, info in ck.tensors.items():
             if info.dtype != "F8_E4M3":
                 continue
-            t = N.resolve(name, cfg)
-            w = leaves[t.leaf][t.index]
+            t = hf_names.resolve(name, cfg)
+            w = np.asarray(leaves[t.leaf].values)[t.index]
             assert w.dtype == np.dtype(jnp.float8_e4m3fn), name
             np.testing.assert_array_equal(t.transform.inverse(w).view(np.uint8), ck.read(name).view(np.uint8), name)
-            scale = leaves[(*t.leaf[:-1], t.leaf[-1] + "_scale_inv")][t.index]
-            np.testing.assert_array_equal(scale.T, ck.read(N.scale_name(name)), name)
+            scale = np.asarray(leaves[t.leaf].scales)[t.index]
+            np.testing.assert_array_equal(scale.T, ck.read(hf_names.scale_name(name)), name)
             n_fp8 += 1
     assert n_fp8 > 50
     _, bf16 = k2jax.load(d)  # dequantized on load, on device
@@ -149,10 +153,26 @@ def test_float8_round_trip(src, dst_bf16, tmp_path):
     assert_bit_equal(f32, load_hf(src, dtype=jnp.float32)[1])
 
 
+# A conversion SIGKILLed from inside, right after it has marked its second unit done (other workers may be
+# mid-write): the hook lives here, in the test, wrapped around the converter's own marker.
+_KILLED_CONVERT = r"""
+import os, signal, sys
+from k2jax.checkpoint.convert import destination, main, pool
+marked = []
+def mark_then_die(dst, unit):
+    destination.mark_done(dst, unit)
+    marked.append(unit)
+    if len(marked) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+pool.mark_done = mark_then_die
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigkill_resume_is_bit_identical(src, dst_bf16, tmp_path):
     d = tmp_path / "killed"
-    cmd = [sys.executable, str(REPO / "tools" / "convert" / "convert.py"), str(src), str(d), "--quiet"]
-    p = subprocess.run(cmd, env={**os.environ, KILL_AFTER_ENV: "60"}, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-c", _KILLED_CONVERT, str(src), str(d), "--quiet"]
+    p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert not (d / MANIFEST).exists()
     with pytest.raises(IncompleteCheckpointError, match="incomplete conversion"):
@@ -189,17 +209,17 @@ def test_page_cache_io_writes_the_same_files(src, dst_bf16, tmp_path):
 def test_big_tensors_convert_in_pieces(tmp_path, monkeypatch):
     """A tensor above PIECE_BYTES goes in row ranges of whole chunks (and whole 128-row scale blocks), here
     with tiny chunks and pieces: the same params as load_hf, for bf16 and float8."""
-    from k2jax.checkpoint import convert as C
-    from k2jax.checkpoint import orbax_io as O
+    from k2jax.checkpoint import orbax_layout
+    from k2jax.checkpoint.convert import codec
 
     cfg = CFG | dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=384, q_lora_rank=256,
                      kv_lora_rank=128, vocab_size=320, num_hidden_layers=2)
     s = write_release_checkpoint(cfg, tmp_path / "src", seed=3)
-    monkeypatch.setattr(O, "CHUNK_BYTES", 16 << 10)
-    monkeypatch.setattr(C, "PIECE_BYTES", 1)
+    monkeypatch.setattr(orbax_layout, "CHUNK_BYTES", 16 << 10)
+    monkeypatch.setattr(codec, "PIECE_BYTES", 1)
     pieces = []
-    convert_rows = C._Converter._convert_rows
-    monkeypatch.setattr(C._Converter, "_convert_rows", lambda self, src, *a: pieces.append(src.target.name)
+    convert_rows = codec.TensorConverter._convert_rows
+    monkeypatch.setattr(codec.TensorConverter, "_convert_rows", lambda self, src, *a: pieces.append(src.target.name)
                         or convert_rows(self, src, *a))
     for dtype in ("bfloat16", "float8"):
         assert convert(s, tmp_path / dtype, dtype=dtype, quiet=True).complete
@@ -211,8 +231,8 @@ def test_big_tensors_convert_in_pieces(tmp_path, monkeypatch):
 
 
 def test_dequantize_transposed_is_numpys_dequantize():
-    """The converter's fast path (XLA decode by bits, strips, NaN count by lanes) = fp8.dequantize(...).T, bit
-    for bit: every e4m3 value, partial edge blocks, bf16 and f32."""
+    """The converter's fast path (XLA decode by bits, strips, NaN count by lanes) = fp8.dequantize_fp8_blocks(...).T,
+    bit for bit: every e4m3 value, partial edge blocks, bf16 and f32."""
     from k2jax.checkpoint import fp8
 
     rng = np.random.default_rng(4)
@@ -222,8 +242,8 @@ def test_dequantize_transposed_is_numpys_dequantize():
         w = u.view(fp8.FP8)
         scale = np.exp(rng.uniform(-20, 5, fp8.scale_shape(shape))).astype(np.float32)
         for dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
-            got, bad = fp8.dequantize_transposed(w, scale, (128, 128), dtype)
-            want = fp8.dequantize(w, scale, (128, 128), np.float32).astype(dtype).T
+            got, bad = fp8.dequantize_fp8_transposed(w, scale, (128, 128), dtype)
+            want = fp8.dequantize_fp8_blocks(w, scale, (128, 128), np.float32).astype(dtype).T
             nan = np.isnan(want.astype(np.float32))
             assert got.flags.c_contiguous and bad == nan.sum() > 0
             np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, abstract_params, make_mesh, param_shardings, use_mesh
-from k2jax.checkpoint.hf import save_hf
+from k2jax.checkpoint import save_hf
 from k2jax.nn.model import split_experts
 from k2jax.nn.quantized import dequantize_params, quantize_params
 from k2jax.ops.attention import attend_absorbed, attend_expanded
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.matmul import einsum, einsum_reference
 from k2jax.ops.moe import moe_dense, moe_grouped
-from k2jax.ops.quant import QuantizedWeight, dequantize, quantize, unpack_int4
+from k2jax.ops.quant import QuantizedWeight, dequantize_weight, quantize_weight, unpack_int4
 from k2jax.testing import random_params
 from tests.test_parity import CONFIGS
 
@@ -84,18 +84,18 @@ def test_fp8_blocks_and_int4_groups_match_a_loop():
     """dequantize against an explicit loop over blocks / groups (partial edge blocks included)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((200, 3, 50)).astype(np.float32)  # In 200, Out 150: partial 128-blocks
-    q = quantize(w, "fp8")
+    q = quantize_weight(w, "fp8")
     assert q.values.dtype == ml_dtypes.float8_e4m3fn and q.scales.shape == (2, 2)
     ref = np.empty((200, 150), np.float32)
     v = q.values.astype(np.float32).reshape(200, 150)
     for i in range(200):
         for o in range(150):
             ref[i, o] = v[i, o] * q.scales[i // 128, o // 128]
-    np.testing.assert_array_equal(dequantize(q).reshape(200, 150), ref)
+    np.testing.assert_array_equal(dequantize_weight(q).reshape(200, 150), ref)
     np.testing.assert_allclose(ref.reshape(w.shape), w, rtol=0.07, atol=1e-3)
 
     w4 = rng.standard_normal((2, 64, 6)).astype(np.float32)  # lead 2, In 64 (2 groups), Out 6
-    q4 = quantize(w4, "int4", lead_ndim=1)
+    q4 = quantize_weight(w4, "int4", lead_ndim=1)
     assert q4.values.dtype == np.uint8 and q4.values.shape == (2, 64, 3) and q4.scales.shape == (2, 2, 6)
     nib = unpack_int4(q4.values)
     assert nib.min() >= -8 and nib.max() <= 7
@@ -106,7 +106,7 @@ def test_fp8_blocks_and_int4_groups_match_a_loop():
         for i in range(64):
             for o in range(6):
                 ref4[e, i, o] = nib[e, i, o] * np.float32(q4.scales[e, i // 32, o])
-    np.testing.assert_array_equal(dequantize(q4), ref4)
+    np.testing.assert_array_equal(dequantize_weight(q4), ref4)
     err = np.abs(ref4 - w4).max(axis=1, keepdims=True) / np.abs(w4).max(axis=1, keepdims=True)
     assert err.max() < 0.1  # within half a step of 1/7 of the group's absmax
 
@@ -117,7 +117,7 @@ def test_kernels_on_quantized_equal_reference(quant):
     key = jax.random.PRNGKey(0)
     E, D, F, K = 8, 64, 96, 2
     ks = jax.random.split(key, 8)
-    stacks = [quantize(jax.random.normal(k, s) * 0.2, quant, lead_ndim=1)
+    stacks = [quantize_weight(jax.random.normal(k, s) * 0.2, quant, lead_ndim=1)
               for k, s in zip(ks[:3], [(E, D, F), (E, D, F), (E, F, D)])]
     plain = [w.dequantize() for w in stacks]
     assert not np.allclose(plain[0], jax.random.normal(ks[0], (E, D, F)) * 0.2)  # lossy: really quantized
@@ -132,7 +132,7 @@ def test_kernels_on_quantized_equal_reference(quant):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"{impl} {kw} T={T}")
 
     # einsum on a multi-dim input (o_proj's [N, V, D]) and absorbed attention with a quantized kv_b
-    w_o = quantize(jax.random.normal(ks[6], (4, 32, 64)) * 0.2, "fp8" if quant == "fp8" else "int4", in_ndim=2)
+    w_o = quantize_weight(jax.random.normal(ks[6], (4, 32, 64)) * 0.2, "fp8" if quant == "fp8" else "int4", in_ndim=2)
     x = jax.random.normal(ks[7], (2, 1, 4, 32))
     np.testing.assert_allclose(jax.jit(lambda a, w: einsum("BTNV,NVD->BTD", a, w))(x, w_o),
                                einsum_reference("BTNV,NVD->BTD", x, w_o), atol=1e-5, rtol=1e-5)
@@ -140,7 +140,7 @@ def test_kernels_on_quantized_equal_reference(quant):
                            einsum_reference("BTNV,NVD->BTD", x, w_o.dequantize().transpose(1, 0, 2)
                                             .reshape(4, 32, 64)), atol=1e-3)  # the in/out layout matters
     R, N, Kd, V, S = 32, 4, 16, 12, 9
-    kv_b = quantize(jax.random.normal(ks[0], (R, N, Kd + V)) * 0.3, quant)
+    kv_b = quantize_weight(jax.random.normal(ks[0], (R, N, Kd + V)) * 0.3, quant)
     q_nope, q_pe = jax.random.normal(ks[1], (2, 1, N, Kd)), jax.random.normal(ks[2], (2, 1, N, 8))
     ckv, k_pe = jax.random.normal(ks[3], (2, S, R)), jax.random.normal(ks[4], (2, S, 8))
     mask = jnp.ones((2, 1, S), bool)
@@ -154,7 +154,7 @@ def test_expert_parallel_scales_sharded_with_blocks(quant, F):
     """A shard of F holding whole blocks: scales split over `tensor` with their blocks (no replication)."""
     E, D, K, T = 8, 128, 2, 16
     ks = jax.random.split(jax.random.PRNGKey(1), 6)
-    stacks = [quantize(jax.random.normal(k, s) * 0.1, quant, lead_ndim=1)
+    stacks = [quantize_weight(jax.random.normal(k, s) * 0.1, quant, lead_ndim=1)
               for k, s in zip(ks[:3], [(E, D, F), (E, D, F), (E, F, D)])]
     x = jax.random.normal(ks[3], (T, D))
     idx = jax.vmap(lambda k: jax.random.permutation(k, E)[:K])(jax.random.split(ks[4], T)).astype(jnp.int32)

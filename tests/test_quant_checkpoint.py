@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, load_hf
-from k2jax.checkpoint import int4 as I4
+from k2jax.checkpoint import int4 as int4_format
 from k2jax.checkpoint import save_hf
 from k2jax.checkpoint.safetensors_io import Checkpoint, write_file
 from k2jax.ops.quant import QuantizedWeight
@@ -72,18 +72,18 @@ def test_layout_is_the_thinking_release(thinking):
 
 
 def test_pack_is_bit_exact_against_compressed_tensors(oracle, thinking):
-    """Our packer (checkpoint.int4.pack / save_hf) against compressed-tensors' PackedQuantizationCompressor: the
+    """Our packer (checkpoint.int4.pack_words / save_hf) against compressed-tensors' PackedQuantizationCompressor: the
     same int32 words for the same weight and scales, and its decompression of our words is our weight."""
     rng = np.random.default_rng(0)
     nib = rng.integers(0, 16, (48, 96)).astype(np.uint8)  # every nibble, -8 included
     nib[0, :16] = np.arange(16)
     scale = rng.uniform(0.01, 2.0, (48, 3)).astype(BF16)
-    cases = [(I4.pack(nib), scale)]
+    cases = [(int4_format.pack_words(nib), scale)]
     t = read_all(thinking)
     w = EXPERT.format(i=1, e=2, p="down_proj")
     cases.append((t[w + "_packed"], t[w + "_scale"]))
     for packed, s in cases:
-        weight = I4.dequantize(packed, s)
+        weight = int4_format.dequantize_packed_int4(packed, s)
         out = oracle.run({"pack_int4": {"weight": weight, "scale": s.astype(np.float32), "packed": packed}})
         np.testing.assert_array_equal(out["pack_int4.weight_packed"], packed)
         assert list(out["pack_int4.weight_shape"]) == list(weight.shape)
@@ -94,13 +94,13 @@ def test_repack_to_device_layout_keeps_the_values():
     rng = np.random.default_rng(1)
     nib = rng.integers(0, 16, (40, 64)).astype(np.uint8)
     scale = rng.uniform(0.1, 1, (40, 2)).astype(BF16)
-    packed = I4.pack(nib)
-    np.testing.assert_array_equal(I4.unpack(packed), nib)
-    v, s = I4.to_k2jax(packed, scale)
+    packed = int4_format.pack_words(nib)
+    np.testing.assert_array_equal(int4_format.unpack_words(packed), nib)
+    v, s = int4_format.to_k2jax(packed, scale)
     assert v.shape == (64, 20) and v.dtype == np.uint8 and s.shape == (2, 40)
     qw = QuantizedWeight(v, s, "int4")
-    np.testing.assert_array_equal(qw.dequantize(np.float32), I4.dequantize(packed, scale).T)
-    p2, s2 = I4.from_k2jax(v, s)
+    np.testing.assert_array_equal(qw.dequantize(np.float32), int4_format.dequantize_packed_int4(packed, scale).T)
+    p2, s2 = int4_format.from_k2jax(v, s)
     np.testing.assert_array_equal(p2, packed)
     np.testing.assert_array_equal(s2, scale)
 
@@ -175,12 +175,12 @@ def test_bad_group_size_does_not_divide(tmp_path, no_weight_reads):
         for n in [n for n in t if ".mlp.experts." in n]:
             w = t.pop(n).astype(np.float32)
             o, i = w.shape
-            t[n + "_packed"] = I4.pack(np.full((o, i), 8, np.uint8))
+            t[n + "_packed"] = int4_format.pack_words(np.full((o, i), 8, np.uint8))
             t[n + "_scale"] = np.ones((o, -(-i // 32)), BF16)
             t[n + "_shape"] = np.array([o, i], np.int64)
     bad = EXPERT.format(i=1, e=0, p="down_proj") + "_packed"
     msg = expect_refused(rewrite(d, tmp_path / "c", edit, lambda hf: hf.update(
-        quantization_config=I4.quantization_config())), bad, "group size 32 does not divide its input dim 48",
+        quantization_config=int4_format.quantization_config())), bad, "group size 32 does not divide its input dim 48",
         reads=no_weight_reads)
     assert "gate_proj.weight_packed" not in msg  # their input dim (64) is fine
 
@@ -218,7 +218,7 @@ def test_bad_mix_of_int4_and_plain_experts(thinking, tmp_path, no_weight_reads):
     plain = EXPERT.format(i=2, e=3, p="gate_proj")
 
     def edit(t):
-        w = I4.dequantize(t.pop(plain + "_packed"), t.pop(plain + "_scale"))
+        w = int4_format.dequantize_packed_int4(t.pop(plain + "_packed"), t.pop(plain + "_scale"))
         del t[plain + "_shape"]
         t[plain] = w.astype(BF16)
     expect_refused(rewrite(thinking, tmp_path / "c", edit), "layer 2 mixes INT4 and plain routed experts", plain,
@@ -230,7 +230,7 @@ def test_bad_int4_outside_the_routed_experts(thinking, tmp_path, no_weight_reads
 
     def edit(t):
         w = t.pop(name).astype(np.float32)
-        t[name + "_packed"], t[name + "_scale"] = I4.quantize(w)
+        t[name + "_packed"], t[name + "_scale"] = int4_format.quantize_packed_int4(w)
         t[name + "_shape"] = np.array(w.shape, np.int64)
     expect_refused(rewrite(thinking, tmp_path / "c", edit), name + "_packed", "routed experts only",
                    reads=no_weight_reads)
@@ -331,23 +331,19 @@ def test_quantized_load_warns_once_per_fallback_param(converted, dtype, quant):
 
 def test_convert_int4_round_trip(converted, thinking):
     import k2jax
-    from k2jax.checkpoint import orbax_io as O
+    from k2jax.checkpoint import orbax_layout
 
-    m = O.read_manifest(converted["int4"])
-    assert m["dtype"] == "int4"
+    m = orbax_layout.read_manifest(converted["int4"])
+    assert (m["dtype"], m["quant"], m["param_dtype"]) == ("int4", "int4", "bfloat16")
     name = "moe_layers.mlp.experts.gate_proj"
-    assert m["int4"][name] == {"scale": name + "_scale", "in_ndim": 1}
-    assert m["leaves"][name]["dtype"] == "uint8" and m["leaves"][name + "_scale"]["dtype"] == "bfloat16"
+    assert m["leaves"][name + ".values"]["dtype"] == "uint8" and m["leaves"][name + ".scales"]["dtype"] == "bfloat16"
+    assert name not in m["leaves"] and name + "_scale" not in m["leaves"]  # the tree of abstract_params, nothing else
     _, held = k2jax.load(converted["int4"], quant="int4")
     _, want = load_hf(thinking, quant="int4")
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), held, want)
     _, plain = k2jax.load(converted["int4"])
     _, plain_hf = load_hf(thinking)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), plain, plain_hf)
-    # the documented plain restore: the manifest's shapes and dtypes, no k2jax types
-    target = {n: jax.ShapeDtypeStruct(tuple(s["shape"]), O._DTYPES[s["dtype"]]) for n, s in m["leaves"].items()}
-    raw = O._flatten(O.restore(converted["int4"], O._unflatten(target)))
-    np.testing.assert_array_equal(np.asarray(raw[name]), np.asarray(want["moe_layers"]["mlp"]["experts"]["gate_proj"].values))
     with pytest.raises(ValueError, match="quant='fp8' needs a conversion that holds FP8"):
         k2jax.load(converted["int4"], quant="fp8")
 
@@ -361,17 +357,17 @@ def test_convert_int4_refuses_an_fp8_source(converted, tmp_path):
 
 
 def test_fp8_to_int4_requantization_error(converted):
-    """FP8 release -> INT4 experts: exactly ops.quant.quantize of the dequantized FP8 expert, on load_hf and
+    """FP8 release -> INT4 experts: exactly ops.quant.quantize_weight of the dequantized FP8 expert, on load_hf and
     load alike; the logit error against the FP8 logits is measured (and bounded: it is a 4-bit rounding)."""
     import k2jax
-    from k2jax.ops.quant import quantize
+    from k2jax.ops.quant import quantize_weight
 
     cfg, fp8 = load_hf(converted["fp8_src"], dtype=jnp.float32)
     _, req = load_hf(converted["fp8_src"], dtype=jnp.float32, quant="int4")
     _, req_dev = k2jax.load(converted["float8"], dtype=jnp.float32, quant="int4")
     for k in ("gate_proj", "up_proj", "down_proj"):
         w = np.asarray(fp8["moe_layers"]["mlp"]["experts"][k])
-        q = quantize(w, "int4", 1, lead_ndim=2)
+        q = quantize_weight(w, "int4", 1, lead_ndim=2)
         for got in (req, req_dev):
             np.testing.assert_array_equal(np.asarray(got["moe_layers"]["mlp"]["experts"][k].values), q.values)
             np.testing.assert_array_equal(np.asarray(got["moe_layers"]["mlp"]["experts"][k].scales), q.scales)

@@ -19,7 +19,7 @@ import pytest
 import k2jax
 from k2jax import K2Model
 from k2jax.checkpoint.convert import main as convert_main
-from k2jax.checkpoint.orbax_io import stored_array
+from k2jax.checkpoint.orbax_layout import stored_array
 from k2jax.placement import param_shardings
 from k2jax.sharding import make_mesh, use_mesh
 from k2jax.testing import write_release_checkpoint
@@ -111,16 +111,93 @@ def test_float8_conversion_restores_sharded(tmp_path, one_device):
     expert-sized replicated), dequantized on device to the bf16 conversion's bits."""
     d = convert(TINY, tmp_path, "--dtype", "float8")
     mesh = make_mesh("expert=8")
-    _, stored = k2jax.load(d, dtype="float8", mesh=mesh)
+    _, stored = k2jax.load(d, quant="fp8", mesh=mesh)
     experts = stored["moe_layers"]["mlp"]["experts"]
     for leaf in EXPERT_LEAVES:
-        for name in (leaf, leaf + "_scale_inv"):
-            assert {s.data.shape[1] for s in experts[name].addressable_shards} == {1}, name
+        for part in (experts[leaf].values, experts[leaf].scales):
+            assert {s.data.shape[1] for s in part.addressable_shards} == {1}, leaf
     ref = leaves(one_device[1])
     for spec in MESHES:
         _, bf16 = k2jax.load(d, mesh=make_mesh(spec))
         for name, a in leaves(bf16).items():
             np.testing.assert_array_equal(bits(a), bits(ref[name]), err_msg=f"{spec}: {name}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# The checkpoint is abstract_params' tree: a plain Orbax restore of it, with k2jax's shardings, is k2jax.load.
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory):
+    """TINY converted four ways: float32, bfloat16, float8 (of an FP8 release), int4 (of a Thinking release)."""
+    from k2jax.checkpoint import save_hf
+    from k2jax.testing import random_params
+
+    root = tmp_path_factory.mktemp("conversions")
+    fp8_src = write_release_checkpoint(TINY, root / "fp8-src", seed=5)
+    cfg = k2jax.K2Config.from_hf_config(TINY)
+    int4_src = save_hf(random_params(cfg, np.float32, seed=5), cfg, root / "int4-src", int4=True, num_shards=2)
+    out = {}
+    for dtype in ("float32", "bfloat16", "float8", "int4"):
+        out[dtype] = root / dtype
+        assert convert_main([str(int4_src if dtype == "int4" else fp8_src), str(out[dtype]), "--dtype", dtype,
+                             "--quiet"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("dtype,param_dtype,quant", [("float32", jnp.float32, None), ("bfloat16", jnp.bfloat16, None),
+                                                     ("float8", jnp.bfloat16, "fp8"), ("int4", jnp.bfloat16, "int4")])
+def test_plain_orbax_restore_on_a_mesh_equals_load(conversions, dtype, param_dtype, quant):
+    """The README's recipe, Orbax alone: abstract_params(cfg, dtype, quant) with param_shardings(cfg, mesh,
+    quant=quant) on each leaf -> the same tree, placements and bits as k2jax.load on that mesh."""
+    import orbax.checkpoint as ocp
+
+    d = conversions[dtype]
+    cfg = k2jax.K2Config.from_hf_config(d)
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    abstract = k2jax.abstract_params(cfg, param_dtype, quant)
+    shardings = k2jax.param_shardings(cfg, mesh, quant=quant)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    plain = ocp.StandardCheckpointer().restore(os.path.abspath(d), target)
+    _, loaded = k2jax.load(d, mesh=mesh, quant=quant)
+    assert jax.tree.structure(plain) == jax.tree.structure(loaded) == jax.tree.structure(abstract)
+    got, want = leaves_by_path(plain), leaves_by_path(loaded)
+    assert got.keys() == want.keys()
+    for name, a in got.items():
+        assert (a.shape, a.dtype, a.sharding) == (want[name].shape, want[name].dtype, want[name].sharding), name
+        np.testing.assert_array_equal(bits(a), bits(want[name]), err_msg=name)
+    if quant is not None:  # really held quantized, as the manifest says
+        assert json.loads((d / "k2jax_manifest.json").read_text())["quant"] == quant
+        assert isinstance(plain["moe_layers"]["mlp"]["experts"]["up_proj"], k2jax.QuantizedWeight)
+
+
+def test_layout_version_1(ckpt, conversions, one_device, tmp_path):
+    """The previous layout (quantized weights' scales as sibling arrays): a float8 / int4 conversion is refused
+    with a message to convert again; a bfloat16 one, the same tree as today's, is read as it is."""
+    for name, src in (("bf16", ckpt), ("f8", conversions["float8"])):
+        shutil.copytree(src, tmp_path / name)
+        m = json.loads((tmp_path / name / "k2jax_manifest.json").read_text())
+        (tmp_path / name / "k2jax_manifest.json").write_text(json.dumps(m | {"layout_version": 1}))
+    _, params = k2jax.load(tmp_path / "bf16")
+    np.testing.assert_array_equal(bits(params["lm_head"]), bits(one_device[1]["lm_head"]))
+    with pytest.raises(ValueError, match=r"layout version 1 .*convert it again, `k2jax convert SRC .* --dtype float8 "
+                                         r"--overwrite`"):
+        k2jax.load(tmp_path / "f8", quant="fp8")
+
+
+def test_a_load_traces_the_model_once(conversions, monkeypatch):
+    """One load (here a float8 conversion read on a mesh and requantized to INT4: the stored tree, two layouts'
+    shardings, the held tree) traces the model's init once."""
+    from k2jax.nn import model
+
+    calls = []
+    init = model.K2Model.init
+    monkeypatch.setattr(model.K2Model, "init", lambda self, *a, **k: calls.append(1) or init(self, *a, **k))
+    model._traced.cache_clear()
+    k2jax.load(conversions["float8"], mesh=make_mesh("expert=4,tensor=2"), quant="int4")
+    assert len(calls) == 1
+
+
+def leaves_by_path(tree) -> dict:
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from k2jax import K2Config, K2Model, init_params, load_hf
-from k2jax.checkpoint import names as N
+from k2jax.checkpoint import names as release_names
 from k2jax.nn.model import abstract_params
 from k2jax.sharding import make_mesh
 from k2jax.train import BIAS_PATH, loss_and_metrics, make_train_step, next_token_targets, token_nll
@@ -71,10 +71,10 @@ def test_gradients_match_transformers(reference, remat):
     assert float(metrics["tokens"]) == 7 + 8  # targets: row 0 tokens 5..11, row 1 tokens 4..11 (3 padded)
     flat = {tuple(k.key for k in p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(grads)}
     hf_names = [k[len("grad."):] for k in out if k.startswith("grad.")]
-    assert set(hf_names) == set(N.expected_names(cfg)) - {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+    assert set(hf_names) == set(release_names.expected_names(cfg)) - {f"model.layers.{i}.mlp.gate.e_score_correction_bias"
                                                           for i in range(1, 3)}
     for name in hf_names:
-        t = N.resolve(name, cfg)
+        t = release_names.resolve(name, cfg)
         np.testing.assert_allclose(t.transform.inverse(flat[t.leaf][t.index]), out[f"grad.{name}"],
                                    atol=1e-4, rtol=1e-4, err_msg=name)
     assert not np.any(flat[BIAS_PATH])  # the correction bias gets no gradient

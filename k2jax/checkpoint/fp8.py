@@ -4,9 +4,11 @@ A weight w [out, in] is stored as fp8 [out, in] plus float32 `scale_inv` [ceil(o
     w[i, j] = fp8[i, j] * scale_inv[i // bo, j // bi].
 Edge blocks are partial (kv_a_proj_with_mqa [576, 7168] has scale_inv [5, 56]).
 
-`dequantize` and `quantize` are vectorised (no loop over blocks) and work on numpy or jax arrays; extra
-leading axes (e.g. stacked experts) are carried along. `dequantize_transposed` and `transpose` are the
-converter's fast host paths (numpy in, numpy out).
+This is the release's (HF) layout, [out, in] with (out, in) blocks; k2jax.ops.quant.QuantizedWeight holds the
+same values and scales transposed into k2jax's layout. `dequantize_fp8_blocks` and `quantize_fp8_blocks` are
+vectorised (no loop over blocks) and work on numpy or jax arrays; extra leading axes (e.g. stacked experts) are
+carried along. `dequantize_fp8_transposed` and `transpose` are the converter's fast host paths (numpy in,
+numpy out).
 """
 
 from __future__ import annotations
@@ -14,12 +16,17 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
+
+from k2jax.quant_policy import FORMATS
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
-DEFAULT_BLOCK = (128, 128)
+DEFAULT_BLOCK = FORMATS["fp8"].block  # the release's weight_block_size (k2jax.quant_policy)
 
 
 def ensure_numpy_float8() -> None:
@@ -40,10 +47,7 @@ def scale_shape(shape: tuple[int, ...], block=DEFAULT_BLOCK) -> tuple[int, ...]:
 
 def _xp(x):
     """numpy for numpy inputs, jax.numpy for jax arrays (the converter may dequantize on device)."""
-    if isinstance(x, np.ndarray):
-        return np
-    import jax.numpy as jnp
-    return jnp
+    return np if isinstance(x, np.ndarray) else jnp
 
 
 def _pad_to_blocks(xp, x, block):
@@ -54,7 +58,7 @@ def _pad_to_blocks(xp, x, block):
     return x
 
 
-def dequantize(w_fp8, scale_inv, block=DEFAULT_BLOCK, dtype=np.float32):
+def dequantize_fp8_blocks(w_fp8, scale_inv, block=DEFAULT_BLOCK, dtype=np.float32):
     """fp8 [..., out, in] * per-block scale_inv [..., ceil(out/bo), ceil(in/bi)] -> dtype [..., out, in].
 
     Computed in float32 and cast once at the end. The weight is padded to whole blocks, viewed as
@@ -66,7 +70,7 @@ def dequantize(w_fp8, scale_inv, block=DEFAULT_BLOCK, dtype=np.float32):
     *lead, out, inn = w_fp8.shape
     want = scale_shape(w_fp8.shape, block)
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"dequantize: scale_inv shape {tuple(scale_inv.shape)} does not match weight "
+        raise ValueError(f"dequantize_fp8_blocks: scale_inv shape {tuple(scale_inv.shape)} does not match weight "
                          f"{tuple(w_fp8.shape)} with block {block}: expected {want}")
     x = _pad_to_blocks(xp, w_fp8.astype(np.float32), block)
     ob, ib = want[-2:]
@@ -75,7 +79,7 @@ def dequantize(w_fp8, scale_inv, block=DEFAULT_BLOCK, dtype=np.float32):
     return x.astype(dtype)
 
 
-def quantize(w, block=DEFAULT_BLOCK):
+def quantize_fp8_blocks(w, block=DEFAULT_BLOCK):
     """w [..., out, in] -> (fp8 [..., out, in], float32 scale_inv [..., ceil(out/bo), ceil(in/bi)]).
 
     scale_inv = amax(|block|) / 448, so each block's largest value maps to the largest finite E4M3; an
@@ -156,10 +160,10 @@ def _count_nonfinite(x: np.ndarray) -> int:
     return int(x.size - np.count_nonzero(np.isfinite(x)))
 
 
-def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block=DEFAULT_BLOCK, dtype=np.float32,
+def dequantize_fp8_transposed(w_OI: np.ndarray, scale: np.ndarray, block=DEFAULT_BLOCK, dtype=np.float32,
                           out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """fp8 [out, in] with block scales -> (dtype [in, out] C-contiguous, into `out` (C-contiguous) when given;
-    count of non-finite values): `dequantize(w, scale, block, float32).astype(dtype).T`, bit for bit.
+    count of non-finite values): `dequantize_fp8_blocks(w, scale, block, float32).astype(dtype).T`, bit for bit.
 
     One XLA loop on the host decodes (by bits), scales and rounds, writing strips of STRIP rows already
     transposed ([out / STRIP, in, STRIP]); numpy then moves those STRIP-element runs into place, tile by
@@ -173,7 +177,7 @@ def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block=DEFAULT_BLO
     dtype = np.dtype(dtype)
     scale = scale.astype(np.float32, copy=False)
     if tuple(scale.shape) != scale_shape(w_OI.shape, block):
-        raise ValueError(f"dequantize_transposed: scale_inv shape {tuple(scale.shape)} does not match weight "
+        raise ValueError(f"dequantize_fp8_transposed: scale_inv shape {tuple(scale.shape)} does not match weight "
                          f"{tuple(w_OI.shape)} with block {tuple(block)}")
     y = _bits(np.asarray(_dequantize_strips()(w_OI.view(np.uint8), scale, tuple(block), dtype, h)))  # [O/h,I,h]
     out = np.empty((I, O), dtype) if out is None else out
@@ -189,9 +193,6 @@ def dequantize_transposed(w_OI: np.ndarray, scale: np.ndarray, block=DEFAULT_BLO
 
 @functools.cache
 def _dequantize_strips():
-    import jax  # here, not at import: `k2jax --help` stays quick
-    import jax.numpy as jnp
-
     def f(u, s, block, dtype, h):
         out, inn = u.shape
         x = _pad_to_blocks(jnp, _e4m3_to_f32(u), block)
@@ -206,9 +207,6 @@ def _dequantize_strips():
 def _e4m3_to_f32(u):
     """e4m3fn bytes (jax uint8) -> float32, exactly as `astype` (XLA's own conversion is slower): normal
     numbers by moving the bits into place, subnormals (exponent 0) as m * 2^-9."""
-    import jax.numpy as jnp
-    from jax import lax
-
     b = u.astype(jnp.uint32)
     mag = b & 0x7F
     normal = lax.bitcast_convert_type((mag << 20) + (120 << 23), jnp.float32)  # rebias exponent 7 -> 127

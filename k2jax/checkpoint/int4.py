@@ -11,7 +11,8 @@ A linear weight w [out, in] is stored as three tensors:
 
 k2jax holds it on device as `k2jax.ops.quant.QuantizedWeight(fmt="int4")` in its einsum layout [in, out]:
 the same 4-bit values (value + 8), two per uint8 along the output axis, and the scales transposed
-[in/32, out]. `to_k2jax` / `from_k2jax` move between the two by bit shuffling only (nothing is rounded).
+[in/32, out]. `to_k2jax` / `from_k2jax` move between the two by bit shuffling only (nothing is rounded); `pack_words` /
+`unpack_words` are the int32 word packing itself.
 
 `check_config` reads config.json's quantization_config and refuses, naming the key, whatever this module
 does not implement (other bit widths, asymmetric or dynamic schemes, activation quantization, other formats).
@@ -24,7 +25,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-GROUP = 32
+from k2jax.ops.quant import quantize_weight
+from k2jax.quant_policy import FORMATS
+
+GROUP = FORMATS["int4"].block[0]  # inputs per scale (k2jax.quant_policy)
 BITS = 4
 PER_WORD = 32 // BITS  # values per int32
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -108,26 +112,26 @@ def scale_shape(out: int, inn: int) -> tuple[int, int]:
     return (out, inn // GROUP)
 
 
-def unpack(packed: np.ndarray) -> np.ndarray:
+def unpack_words(packed: np.ndarray) -> np.ndarray:
     """int32 [..., in/8] -> uint8 nibbles [..., in] (value + 8, 0..15), element k from bits 4k..4k+3."""
     b = np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8)  # 4 bytes per word, low first
     return np.stack([b & 0xF, b >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * PER_WORD)
 
 
-def pack(nibbles: np.ndarray) -> np.ndarray:
-    """uint8 nibbles [..., in] (0..15; in a multiple of 8) -> int32 [..., in/8] (inverse of `unpack`)."""
+def pack_words(nibbles: np.ndarray) -> np.ndarray:
+    """uint8 nibbles [..., in] (0..15; in a multiple of 8) -> int32 [..., in/8] (inverse of `unpack_words`)."""
     n = np.ascontiguousarray(nibbles, dtype=np.uint8)
     if n.shape[-1] % PER_WORD:
-        raise ValueError(f"pack: the last dim {n.shape[-1]} is not a multiple of {PER_WORD}")
+        raise ValueError(f"pack_words: the last dim {n.shape[-1]} is not a multiple of {PER_WORD}")
     pairs = n.reshape(*n.shape[:-1], -1, 2)
     b = (pairs[..., 0] & 0xF) | (pairs[..., 1] << 4)
     return b.reshape(*n.shape[:-1], -1).view("<i4").astype(np.int32, copy=False)
 
 
-def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
-    """w [out, in] = (nibble - 8) * scale[o, i // 32], computed in float32 (exact: a 4-bit value times a bf16
-    scale), cast once."""
-    q = unpack(packed).astype(np.float32) - 8.0
+def dequantize_packed_int4(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """The release's INT4 weight -> w [out, in] = (nibble - 8) * scale[o, i // 32], computed in float32 (exact:
+    a 4-bit value times a bf16 scale), cast once."""
+    q = unpack_words(packed).astype(np.float32) - 8.0
     s = np.repeat(scale.astype(np.float32), GROUP, axis=-1)
     return (q * s).astype(dtype)
 
@@ -135,7 +139,7 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.nd
 def to_k2jax(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """HF (packed int32 [out, in/8], scale [out, in/32]) -> QuantizedWeight's (values uint8 [in, out/2], two
     values per byte along out, low nibble first; scales bf16 [in/32, out]): the same 4-bit values."""
-    n = unpack(packed).T  # [in, out]
+    n = unpack_words(packed).T  # [in, out]
     if n.shape[-1] % 2:
         raise ValueError(f"INT4 on device packs two values per byte along the output dim: {n.shape[-1]} is odd")
     pairs = np.ascontiguousarray(n).reshape(n.shape[0], -1, 2)
@@ -146,13 +150,12 @@ def from_k2jax(values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.n
     """Inverse of `to_k2jax`: (uint8 [in, out/2], scales [in/32, out]) -> (int32 [out, in/8], bf16 [out, in/32])."""
     v = np.asarray(values, np.uint8)
     n = np.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[0], -1)  # [in, out]
-    return pack(n.T), np.ascontiguousarray(np.asarray(scales).astype(BF16).T)
+    return pack_words(n.T), np.ascontiguousarray(np.asarray(scales).astype(BF16).T)
 
 
-def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """w [out, in] -> (packed int32 [out, in/8], bf16 scale [out, in/32]): symmetric absmax per group of 32
-    inputs, through k2jax.ops.quant.quantize (so the file and the device hold one rounding). Lossy."""
-    from k2jax.ops.quant import quantize as q
-
-    qw = q(np.asarray(w, np.float32).T, "int4")
+def quantize_packed_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> the release's (packed int32 [out, in/8], bf16 scale [out, in/32]): symmetric absmax per
+    group of 32 inputs, through k2jax.ops.quant.quantize_weight (so the file and the device hold one rounding).
+    Lossy."""
+    qw = quantize_weight(np.asarray(w, np.float32).T, "int4")
     return from_k2jax(np.asarray(qw.values), np.asarray(qw.scales))

@@ -6,6 +6,12 @@ HF layer i < num_dense_layers is `dense_layers[i]`, otherwise `moe_layers[i - nu
 add a second index into the stacked [E, ...] array. The per-layer ("slot") shape of every param comes from
 `abstract_params(cfg)`, so the expected HF shape of a tensor is `transform.source_shape(slot shape)`.
 
+Which of these tensors a release stores quantized is the policy table (k2jax.quant_policy): FP8 (Kimi-K2-Instruct)
+every linear weight of the decoder blocks, INT4 (Kimi-K2-Thinking, K2.5) the routed experts.
+
+Kimi-K2.5 / K2.6 releases hold the same text model under a `language_model.` prefix (`TEXT_PREFIX`), beside
+a vision tower and projector (`VISION_PREFIXES`) that k2jax skips: give the prefix to the functions below.
+
 Pure functions, no file I/O: the in-memory loader and the streaming converter share them.
 """
 
@@ -16,11 +22,17 @@ import functools
 import re
 from typing import Callable, NamedTuple
 
+import jax
 import numpy as np
 
 from k2jax.config import K2Config
+from k2jax.nn.model import abstract_params
+from k2jax.quant_policy import quantized_layout
 
 SCALE_SUFFIX = "_scale_inv"
+# Kimi-K2.5 / K2.6 (KimiK25ForConditionalGeneration): the text model's tensors, and the vision side skipped.
+TEXT_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -35,7 +47,7 @@ class Transform:
     source_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
 
     def __repr__(self):
-        return f"T.{self.name}"
+        return f"Relayout.{self.name}"
 
 
 def _identity(x, shape):
@@ -46,7 +58,7 @@ def _transpose(x, shape):
     return x.T.reshape(shape)
 
 
-class T:
+class Relayout:
     """The four transforms the table uses."""
 
     # norms, embeddings, the router bias: same layout.
@@ -66,46 +78,39 @@ class T:
 
 
 # ------------------------------------------------------------------------------------------------------
-# The table. Columns: HF name template | k2jax path (inside the layer's stack for {i}) | transform |
-# stored as F8_E4M3 + float32 `<name>_scale_inv` in the release (what save_hf(fp8=True) writes).
-RULES: tuple[tuple[str, str, Transform, bool], ...] = (
-    ("model.embed_tokens.weight",                             "embed_tokens",                      T.IDENTITY,            False),
-    ("model.norm.weight",                                     "norm/weight",                       T.IDENTITY,            False),
-    ("lm_head.weight",                                        "lm_head",                           T.TRANSPOSE,           False),
-    ("model.layers.{i}.input_layernorm.weight",               "input_layernorm/weight",            T.IDENTITY,            False),
-    ("model.layers.{i}.post_attention_layernorm.weight",      "post_attention_layernorm/weight",   T.IDENTITY,            False),
-    ("model.layers.{i}.self_attn.q_a_proj.weight",            "self_attn/q_a_proj",                T.TRANSPOSE,           True),
-    ("model.layers.{i}.self_attn.q_a_layernorm.weight",       "self_attn/q_a_layernorm/weight",    T.IDENTITY,            False),
-    ("model.layers.{i}.self_attn.q_b_proj.weight",            "self_attn/q_b_proj",                T.TRANSPOSE_SPLIT_OUT, True),
-    ("model.layers.{i}.self_attn.q_proj.weight",              "self_attn/q_proj",                  T.TRANSPOSE_SPLIT_OUT, True),
-    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",  "self_attn/kv_a_proj_with_mqa",      T.TRANSPOSE,           True),
-    ("model.layers.{i}.self_attn.kv_a_layernorm.weight",      "self_attn/kv_a_layernorm/weight",   T.IDENTITY,            False),
-    ("model.layers.{i}.self_attn.kv_b_proj.weight",           "self_attn/kv_b_proj",               T.TRANSPOSE_SPLIT_OUT, True),
-    ("model.layers.{i}.self_attn.o_proj.weight",              "self_attn/o_proj",                  T.TRANSPOSE_SPLIT_IN,  True),
+# The table. Columns: HF name template | k2jax path (inside the layer's stack for {i}) | transform.
+RULES: tuple[tuple[str, str, Transform], ...] = (
+    ("model.embed_tokens.weight",                             "embed_tokens",                      Relayout.IDENTITY),
+    ("model.norm.weight",                                     "norm/weight",                       Relayout.IDENTITY),
+    ("lm_head.weight",                                        "lm_head",                           Relayout.TRANSPOSE),
+    ("model.layers.{i}.input_layernorm.weight",               "input_layernorm/weight",            Relayout.IDENTITY),
+    ("model.layers.{i}.post_attention_layernorm.weight",      "post_attention_layernorm/weight",   Relayout.IDENTITY),
+    ("model.layers.{i}.self_attn.q_a_proj.weight",            "self_attn/q_a_proj",                Relayout.TRANSPOSE),
+    ("model.layers.{i}.self_attn.q_a_layernorm.weight",       "self_attn/q_a_layernorm/weight",    Relayout.IDENTITY),
+    ("model.layers.{i}.self_attn.q_b_proj.weight",            "self_attn/q_b_proj",                Relayout.TRANSPOSE_SPLIT_OUT),
+    ("model.layers.{i}.self_attn.q_proj.weight",              "self_attn/q_proj",                  Relayout.TRANSPOSE_SPLIT_OUT),
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight",  "self_attn/kv_a_proj_with_mqa",      Relayout.TRANSPOSE),
+    ("model.layers.{i}.self_attn.kv_a_layernorm.weight",      "self_attn/kv_a_layernorm/weight",   Relayout.IDENTITY),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight",           "self_attn/kv_b_proj",               Relayout.TRANSPOSE_SPLIT_OUT),
+    ("model.layers.{i}.self_attn.o_proj.weight",              "self_attn/o_proj",                  Relayout.TRANSPOSE_SPLIT_IN),
     # dense layers (i < first_k_dense_replace)
-    ("model.layers.{i}.mlp.gate_proj.weight",                 "mlp/gate_proj",                     T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.up_proj.weight",                   "mlp/up_proj",                       T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.down_proj.weight",                 "mlp/down_proj",                     T.TRANSPOSE,           True),
+    ("model.layers.{i}.mlp.gate_proj.weight",                 "mlp/gate_proj",                     Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.up_proj.weight",                   "mlp/up_proj",                       Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.down_proj.weight",                 "mlp/down_proj",                     Relayout.TRANSPOSE),
     # MoE layers: router (kept float32 in k2jax), routed experts (stacked on E), shared experts
-    ("model.layers.{i}.mlp.gate.weight",                      "mlp/gate/kernel",                   T.TRANSPOSE,           False),
-    ("model.layers.{i}.mlp.gate.e_score_correction_bias",     "mlp/gate/e_score_correction_bias",  T.IDENTITY,            False),
-    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",     "mlp/experts/gate_proj",             T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight",       "mlp/experts/up_proj",               T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",     "mlp/experts/down_proj",             T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",  "mlp/shared_experts/gate_proj",      T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.shared_experts.up_proj.weight",    "mlp/shared_experts/up_proj",        T.TRANSPOSE,           True),
-    ("model.layers.{i}.mlp.shared_experts.down_proj.weight",  "mlp/shared_experts/down_proj",      T.TRANSPOSE,           True),
+    ("model.layers.{i}.mlp.gate.weight",                      "mlp/gate/kernel",                   Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias",     "mlp/gate/e_score_correction_bias",  Relayout.IDENTITY),
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",     "mlp/experts/gate_proj",             Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight",       "mlp/experts/up_proj",               Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",     "mlp/experts/down_proj",             Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",  "mlp/shared_experts/gate_proj",      Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.shared_experts.up_proj.weight",    "mlp/shared_experts/up_proj",        Relayout.TRANSPOSE),
+    ("model.layers.{i}.mlp.shared_experts.down_proj.weight",  "mlp/shared_experts/down_proj",      Relayout.TRANSPOSE),
 )
 
-# Kimi-K2-Thinking (compressed-tensors "pack-quantized", see k2jax.checkpoint.int4): the weights that may be
-# stored INT4, each as three tensors `<weight>_packed` int32 [out, in/8], `<weight>_scale` bf16 [out, in/32],
-# `<weight>_shape` int64 [2] instead of `<weight>`. Only the routed experts: the release keeps attention,
-# dense and shared MLPs, router, embeddings and lm_head bf16 (its quantization_config `ignore` list).
-INT4_RULES: tuple[str, ...] = (
-    "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-    "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-    "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-)
+# Kimi-K2-Thinking (compressed-tensors "pack-quantized", see k2jax.checkpoint.int4) stores an INT4 weight as
+# three tensors `<weight>_packed` int32 [out, in/8], `<weight>_scale` bf16 [out, in/32], `<weight>_shape`
+# int64 [2] instead of `<weight>`; which weights may be so is the policy table's "int4" row.
 INT4_SUFFIXES = ("_packed", "_scale", "_shape")
 
 # Tensors that are read past on purpose (they carry no parameters of the model).
@@ -127,15 +132,14 @@ class Rule(NamedTuple):
     template: str
     path: tuple[str, ...]
     transform: Transform
-    fp8: bool
-    int4: bool = False
 
 
 class Target(NamedTuple):
     """Where one HF tensor goes.
 
-    group: "dense_layers" | "moe_layers" | None (top-level param); layer: index within the group's stack;
-    expert: routed-expert index or None; path: param path inside the group (or from the root).
+    name: the tensor's name in the checkpoint (with its prefix, if any); group: "dense_layers" | "moe_layers" |
+    None (top-level param); layer: index within the group's stack; expert: routed-expert index or None; path:
+    param path inside the group (or from the root).
     """
 
     name: str
@@ -144,9 +148,7 @@ class Target(NamedTuple):
     expert: int | None
     path: tuple[str, ...]
     transform: Transform
-    fp8: bool
     hf_layer: int | None
-    int4: bool = False  # may be stored INT4 pack-quantized (INT4_RULES)
 
     @property
     def leaf(self) -> tuple[str, ...]:
@@ -157,6 +159,16 @@ class Target(NamedTuple):
     def index(self) -> tuple[int, ...]:
         """Index of this tensor's slot inside the leaf: (layer,), (layer, expert) or ()."""
         return tuple(k for k in (self.layer, self.expert) if k is not None)
+
+    @property
+    def fp8(self) -> bool:
+        """Stored F8_E4M3 with a `weight_scale_inv` in an FP8 release (the policy table's "fp8" row)."""
+        return quantized_layout(self.leaf, "fp8") is not None
+
+    @property
+    def int4(self) -> bool:
+        """May be stored INT4 pack-quantized (the policy table's "int4" row: the routed experts)."""
+        return quantized_layout(self.leaf, "int4") is not None
 
 
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -170,13 +182,17 @@ def _key(name: str) -> tuple[str, list[str]]:
     return _NUM.sub(lambda m: next(it, "{?}"), name), nums
 
 
-_RULES = {t: Rule(t, tuple(p.split("/")), tr, fp8, t in INT4_RULES) for t, p, tr, fp8 in RULES}
-assert set(INT4_RULES) <= set(_RULES), "INT4_RULES names a template RULES lacks"
+_RULES = {t: Rule(t, tuple(p.split("/")), tr) for t, p, tr in RULES}
 _SKIP = {t for t, _ in SKIP}
 
 
 def is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
+
+
+def is_vision(name: str) -> bool:
+    """A K2.5 vision-tower or projector tensor (skipped: k2jax runs the text model)."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def scale_name(weight: str) -> str:
@@ -214,12 +230,7 @@ def layer_group(cfg: K2Config, hf_layer: int) -> tuple[str, int]:
 @functools.lru_cache(maxsize=16)
 def leaf_shapes(cfg: K2Config) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Shapes of every param leaf (stacked), from the model itself: path tuple -> shape."""
-    import jax
-
-    from k2jax.nn.model import abstract_params
-
-    tree = abstract_params(cfg)
-    return {tuple(k.key for k in p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+    return {tuple(k.key for k in p): tuple(v.shape) for p, v in jax.tree_util.tree_leaves_with_path(abstract_params(cfg))}
 
 
 def slot_shape(target: Target, cfg: K2Config) -> tuple[int, ...]:
@@ -227,35 +238,40 @@ def slot_shape(target: Target, cfg: K2Config) -> tuple[int, ...]:
     return leaf_shapes(cfg)[target.leaf][len(target.index):]
 
 
-def source_shape(name: str, cfg: K2Config) -> tuple[int, ...]:
+def source_shape(name: str, cfg: K2Config, prefix: str = "") -> tuple[int, ...]:
     """The shape the HF tensor `name` must have for `cfg` (raises UnknownTensorError; skipped names too)."""
-    target = resolve(name, cfg)
+    target = resolve(name, cfg, prefix)
     if target is None:
         raise UnknownTensorError(f"{name!r} is skipped by the loader: it has no expected shape")
     return target.transform.source_shape(slot_shape(target, cfg))
 
 
-def resolve(name: str, cfg: K2Config) -> Target | None:
+def resolve(name: str, cfg: K2Config, prefix: str = "") -> Target | None:
     """HF tensor name -> Target, None for a tensor skipped on purpose; raises UnknownTensorError otherwise.
 
-    `*_scale_inv` names are companions of their weight, not targets: resolve the weight instead.
+    prefix: where the text model's tensors are ("" for K2 releases, TEXT_PREFIX for K2.5 / K2.6); the
+    vision tensors of the latter are not resolved here (see is_vision). `*_scale_inv` names are companions
+    of their weight, not targets: resolve the weight instead.
     """
     if is_scale(name):
         raise UnknownTensorError(f"{name!r} is an FP8 scale: resolve its weight {weight_of_scale(name)!r}")
-    template, nums = _key(name)
+    if not name.startswith(prefix):
+        raise UnknownTensorError(f"unknown tensor {name!r}: config.json nests the text model's config "
+                                 f"(text_config), whose tensors are under {prefix!r}")
+    template, nums = _key(name[len(prefix):])
     if any(str(int(n)) != n for n in nums):
         raise UnknownTensorError(f"unknown tensor {name!r}: non-canonical index (leading zero)")
     hf_layer = int(nums[0]) if template.startswith("model.layers.{i}.") else None
     if hf_layer is not None and hf_layer >= cfg.num_hidden_layers:
         return None  # multi-token-prediction layer
-    if template in _SKIP or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+    if template in _SKIP or (template == "lm_head.weight" and cfg.tie_word_embeddings):
         return None
     rule = _RULES.get(template)
     if rule is None:
         raise UnknownTensorError(f"unknown tensor {name!r}: no rule in k2jax.checkpoint.names.RULES")
     group, layer = layer_group(cfg, hf_layer) if hf_layer is not None else (None, None)
     expert = int(nums[1]) if "{e}" in template else None
-    target = Target(name, group, layer, expert, rule.path, rule.transform, rule.fp8, hf_layer, rule.int4)
+    target = Target(name, group, layer, expert, rule.path, rule.transform, hf_layer)
     shape = leaf_shapes(cfg).get(target.leaf)
     if shape is None:
         raise UnknownTensorError(f"unexpected tensor {name!r}: this config has no param "
@@ -281,7 +297,7 @@ def _why_absent(t: Target, cfg: K2Config) -> str:
 
 # ------------------------------------------------------------------------------------------------------
 # Enumeration: which HF tensors a config expects (weights only; FP8 scales follow their weight's dtype).
-def layer_names(cfg: K2Config, hf_layer: int) -> list[str]:
+def layer_names(cfg: K2Config, hf_layer: int, prefix: str = "") -> list[str]:
     """HF weight names that feed decoder layer `hf_layer` (one block of the converter)."""
     group, _ = layer_group(cfg, hf_layer)
     shapes = leaf_shapes(cfg)
@@ -289,7 +305,7 @@ def layer_names(cfg: K2Config, hf_layer: int) -> list[str]:
     for rule in _RULES.values():
         if not rule.template.startswith("model.layers.{i}.") or (group, *rule.path) not in shapes:
             continue
-        name = rule.template.replace("{i}", str(hf_layer))
+        name = prefix + rule.template.replace("{i}", str(hf_layer))
         if "{e}" in name:
             out += [name.replace("{e}", str(e)) for e in range(shapes[(group, *rule.path)][1])]
         else:
@@ -297,15 +313,15 @@ def layer_names(cfg: K2Config, hf_layer: int) -> list[str]:
     return out
 
 
-def global_names(cfg: K2Config) -> list[str]:
+def global_names(cfg: K2Config, prefix: str = "") -> list[str]:
     """HF weight names outside the decoder layers (embedding, final norm, lm_head unless tied)."""
     shapes = leaf_shapes(cfg)
-    return [r.template for r in _RULES.values() if "{i}" not in r.template and r.path in shapes]
+    return [prefix + r.template for r in _RULES.values() if "{i}" not in r.template and r.path in shapes]
 
 
-def expected_names(cfg: K2Config) -> list[str]:
+def expected_names(cfg: K2Config, prefix: str = "") -> list[str]:
     """Every HF weight name the config needs, in release order (globals, then layer by layer)."""
-    names = global_names(cfg)
+    names = global_names(cfg, prefix)
     for i in range(cfg.num_hidden_layers):
-        names += layer_names(cfg, i)
+        names += layer_names(cfg, i, prefix)
     return names

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -83,7 +84,7 @@ class Scratch:
     page (a few CPU-ns per byte on some VMs, as much as the work itself). Buffers above KEEP_BYTES are not
     kept, so memory stays a few tensors' worth."""
 
-    KEEP_BYTES = 80 << 20  # a chunk (orbax_io.CHUNK_BYTES) and then some
+    KEEP_BYTES = 80 << 20  # a chunk (orbax_layout.CHUNK_BYTES) and then some
 
     def __init__(self):
         self._local = threading.local()
@@ -384,8 +385,6 @@ def read_index(path: str | os.PathLike) -> dict[str, str]:
 
 def write_file(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
     """Write a .safetensors file with the reference library (so files we read are the ones others write)."""
-    from safetensors.numpy import save_file
-
     # (not np.ascontiguousarray: it turns 0-d arrays into 1-d)
     save_file({k: v if v.flags.c_contiguous else v.copy(order="C") for k, v in tensors.items()},
               os.fspath(path), metadata=metadata)

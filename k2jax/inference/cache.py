@@ -75,7 +75,7 @@ def rows_sharding(mesh, rows: int):
     return NamedSharding(mesh, PartitionSpec(axes or None))
 
 
-def shard_count(mesh, rows: int) -> int:
+def data_shards(mesh, rows: int) -> int:
     """How many data-parallel shards a batch of `rows` rows (and its pool) is split into."""
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes(rows, mesh))
 
@@ -83,7 +83,7 @@ def shard_count(mesh, rows: int) -> int:
 def empty_pool(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16", mesh=None, rows: int = 1):
     """An all-zero pool of `num_pages` pages (a multiple of the shard count), placed for batches of `rows`
     rows on `mesh` -> (pages, scales)."""
-    shards = shard_count(mesh, rows)
+    shards = data_shards(mesh, rows)
     if num_pages % shards:
         raise ValueError(f"a pool of {num_pages} pages does not split over {shards} data-parallel shards")
     sh = pool_sharding(mesh, rows)
@@ -100,7 +100,7 @@ def init_cache(cfg: K2Config, batch: int, max_len: int, kv_dtype="bfloat16", pag
     """An empty cache for `batch` rows of up to `max_len` tokens each, every row with its own contiguous
     pages (in its shard's part of the pool on `mesh`: rows and pages split over the batch's mesh axes)."""
     W = -(-max_len // page_size)
-    shards = shard_count(mesh, batch)
+    shards = data_shards(mesh, batch)
     per_shard = batch // shards
     local = 1 + per_shard * W  # pages per shard: its trash page, then its rows' runs
     pages, scales = empty_pool(cfg, shards * local, page_size, kv_dtype, mesh, batch)

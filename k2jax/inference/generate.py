@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k2jax.inference import sampling
-from k2jax.inference.cache import DEFAULT_PAGE_SIZE, shard_count
+from k2jax.inference.cache import DEFAULT_PAGE_SIZE, data_shards
 from k2jax.inference.runner import Runner, StepShape, host_batch
 from k2jax.nn.model import K2Model
 
@@ -67,7 +67,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     W = -(-max(max_len, T) // page_size)
     if mesh is not None:
         params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
-    shards = shard_count(mesh, B)
+    shards = data_shards(mesh, B)
     per = B // shards
     layout = tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))
     key = (model, B, W, page_size, kv_cache_dtype, mesh, jax.tree.structure(params), layout)

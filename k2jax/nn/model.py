@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -166,8 +168,9 @@ def init_params(cfg: K2Config, rng=None, param_dtype=jnp.float32, moe_impl="auto
 def abstract_params(cfg: K2Config, param_dtype=jnp.float32, quant: str | None = None):
     """The param tree as jax.ShapeDtypeStruct leaves, with no memory allocated (serves the full 1T config).
 
-    quant "fp8" | "int4": the params that quantization holds (k2jax.nn.quantized) are QuantizedWeight leaves
-    of abstract values and scales; the rest in param_dtype.
+    quant "fp8" | "int4": the params that quantization holds (k2jax.quant_policy) are QuantizedWeight leaves
+    of abstract values and scales; the rest in param_dtype. The model is traced once per config (cached), so
+    a load, its shardings and the plan share one trace.
     """
     shapes = _unbox(_boxed_shapes(cfg, param_dtype))
     return shapes if quant is None else abstract_quantized(shapes, quant)
@@ -176,14 +179,28 @@ def abstract_params(cfg: K2Config, param_dtype=jnp.float32, quant: str | None = 
 def param_axes(cfg: K2Config, quant: str | None = None):
     """Logical axis names of every param (same tree as abstract_params(cfg, quant=quant)), from the modules'
     annotations; a quantized param's leaf is a QuantizedWeight of its values' and scales' names."""
-    axes = nn.get_partition_spec(_boxed_shapes(cfg, jnp.float32))
+    axes = nn.get_partition_spec(_traced(cfg))
     return axes if quant is None else quantized_axes(axes, quant)
 
 
-def _boxed_shapes(cfg: K2Config, param_dtype):
+# The dtype the model is traced in: the leaves that come out in it are those that follow param_dtype; the
+# others are the ones the modules pin (the router, float32). float16 since no module pins a param to it.
+_TRACE_DTYPE = jnp.float16
+
+
+@functools.lru_cache(maxsize=8)
+def _traced(cfg: K2Config):
+    """The boxed params of `cfg` (nn.Partitioned of jax.ShapeDtypeStruct), traced once per config."""
     with _no_activation_constraints():
-        return jax.eval_shape(K2Model(cfg, param_dtype).init, jax.random.PRNGKey(0),
+        return jax.eval_shape(K2Model(cfg, _TRACE_DTYPE).init, jax.random.PRNGKey(0),
                               jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def _boxed_shapes(cfg: K2Config, param_dtype):
+    """_traced(cfg) in `param_dtype`: each leaf that follows the param dtype given it, the pinned ones kept."""
+    dt = jnp.dtype(param_dtype)
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dt) if s.dtype == _TRACE_DTYPE else s,
+                                  _traced(cfg))
 
 
 def _unbox(tree):

@@ -2,17 +2,16 @@
 
 A `QuantizedWeight` stands where a param array would, in k2jax's einsum layout [*lead, *in, *out] (lead: the
 stacked layer / expert axes; in: the contraction dims; out: the rest). Its scales cover blocks of the
-flattened [In, Out] matrix:
+flattened [In, Out] matrix; the formats, their blocks and dtypes, and the params each holds quantized are the
+table in k2jax.quant_policy:
 
     w[..., i, o] = q[..., i, o] * scales[..., i // block_in, o // block_out]
 
-- "fp8":  q float8_e4m3fn, block (128, 128), scales float32 [*lead, ceil(In/128), ceil(Out/128)]: the
-          Kimi-K2-Instruct release (its `weight_scale_inv`, transposed with the weight).
-- "int4": q symmetric int4 in -8..7, block (32, 1) (groups of 32 along the input dim, one scale per output
-          column and group), scales bfloat16 [*lead, In/32, Out]: the Kimi-K2-Thinking release (its
-          `weight_scale`, transposed; bf16 as released: float32 scales would add 2 bits per weight).
-          Stored two values per uint8 along the last (output) axis, low nibble first, each as value + 8,
-          so the held bytes are half an element (XLA:CPU keeps jnp.int4 one per byte).
+- "fp8":  q float8_e4m3fn, scales float32 (the Kimi-K2-Instruct release's `weight_scale_inv`, transposed
+          with the weight).
+- "int4": q symmetric int4 in -8..7, scales bfloat16 (the Kimi-K2-Thinking release's `weight_scale`,
+          transposed). Stored two values per uint8 along the last (output) axis, low nibble first, each as
+          value + 8, so the held bytes are half an element (XLA:CPU keeps jnp.int4 one per byte).
 
 It is a pytree of (values, scales) with the format static, so it passes through jit, nn.scan's layer
 slicing and shardings; a leading-axis index (`w[layer]`, `w[expert_ids]`) indexes both.
@@ -28,8 +27,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-FORMATS = {"fp8": (128, 128), "int4": (32, 1)}
-INT4_MAX = 7
+from k2jax.ops.spec import shard_count
+from k2jax.quant_policy import FORMATS
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +45,8 @@ class QuantizedWeight:
 
     @property
     def block(self) -> tuple[int, int]:
-        return FORMATS[self.fmt]
+        """(inputs, outputs) that share one scale (k2jax.quant_policy)."""
+        return FORMATS[self.fmt].block
 
     @property
     def lead_ndim(self) -> int:
@@ -73,7 +73,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype=jnp.float32):
         """The plain weight [*lead, *in, *out] in `dtype` (computed in float32): the reference."""
-        return dequantize(self, dtype)
+        return dequantize_weight(self, dtype)
 
 
 def _matrix_shape(shape, lead: int, in_ndim: int) -> tuple[int, int]:
@@ -98,8 +98,9 @@ def pack_int4(q):
     return u[..., 0] | (u[..., 1] << 4)
 
 
-def dequantize(w: QuantizedWeight, dtype=jnp.float32):
-    """w.q * scales broadcast over blocks -> [*lead, *in, *out] in dtype. Works on numpy or jax arrays."""
+def dequantize_weight(w: QuantizedWeight, dtype=jnp.float32):
+    """A QuantizedWeight -> the plain weight [*lead, *in, *out] in dtype: values * scales broadcast over the
+    blocks, computed in float32. Works on numpy or jax arrays."""
     xp = np if isinstance(w.values, np.ndarray) else jnp
     q = unpack_int4(w.values) if w.fmt == "int4" else w.values
     lead = w.lead_ndim
@@ -111,7 +112,7 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     return (q2 * s).reshape(shape).astype(dtype)
 
 
-def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeight:
+def quantize_weight(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeight:
     """A plain weight [*lead, *in, *out] -> QuantizedWeight (absmax scaling per block). numpy or jax in.
 
     fp8: scale = absmax / 448 per 128x128 block; int4: symmetric, scale = absmax / 7 per group of 32 inputs.
@@ -123,7 +124,7 @@ def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeig
     shape = tuple(w.shape)
     lead = shape[:lead_ndim]
     In, Out = _matrix_shape(shape, lead_ndim, in_ndim)
-    bi, bo = FORMATS[fmt]
+    bi, bo = FORMATS[fmt].block
     if fmt == "int4" and In % bi:
         raise ValueError(f"int4 groups of {bi} must divide the input dim {In} (weight shape {shape})")
     w2 = w.astype(xp.float32).reshape(*lead, In, Out)
@@ -132,7 +133,7 @@ def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeig
     nb_i, nb_o = (In + pi) // bi, (Out + po) // bo
     blocks = wp.reshape(*lead, nb_i, bi, nb_o, bo)
     amax = xp.abs(blocks).max(axis=(-3, -1))
-    qmax = 448.0 if fmt == "fp8" else float(INT4_MAX)
+    qmax = FORMATS[fmt].qmax
     scales = xp.where(amax > 0, amax / qmax, 1.0).astype(xp.float32)
     if fmt == "int4":  # round the scale first, so that the values are quantized against the scale kept
         scales = scales.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16).astype(xp.float32)
@@ -140,7 +141,7 @@ def quantize(w, fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeig
     if fmt == "fp8":
         values = (w2 / s).astype(ml_dtypes.float8_e4m3fn if xp is np else jnp.float8_e4m3fn).reshape(shape)
     else:
-        values = pack_int4(xp.clip(xp.round(w2 / s), -8, INT4_MAX).astype(xp.int8).reshape(shape))
+        values = pack_int4(xp.clip(xp.round(w2 / s), -8, qmax).astype(xp.int8).reshape(shape))
         scales = scales.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16)
     return QuantizedWeight(values, scales, fmt, in_ndim)
 
@@ -160,15 +161,15 @@ def materialize(w, dtype):
     the jitted step: the convert and the scale are elementwise on the values, so XLA:GPU/TPU fuse them into
     the dot's operand and no dequantized copy of the weight outlives the op (XLA:CPU runs them as a separate
     fusion writing a temp of the operand's size; bench/quant.py measures it)."""
-    return dequantize(w, dtype) if is_quantized(w) else w
+    return dequantize_weight(w, dtype) if is_quantized(w) else w
 
 
 def scale_partition(w: QuantizedWeight, values_spec, mesh_shape: dict) -> tuple:
-    """The PartitionSpec entries of w.scales given those of w.values (one per values dim): the lead dims
-    (layers, experts) as the values; the input and the output block dims take the mesh axes of the first
-    dim of their group when that shards whole blocks (each shard a multiple of the block, the block count
-    divisible), else None (replicated: every device holds all of the few scales and reads the ones of its
-    shard). Used by k2jax.sharding (param shardings) and the expert-parallel shard_map alike."""
+    """The PartitionSpec entries of w.scales given those of w.values (one per values dim), by the placement
+    rule of k2jax.quant_policy: the lead dims (layers, experts) as the values; the input and the output block
+    dims take the mesh axes of the first dim of their group when that shards whole blocks (each shard a
+    multiple of the block, the block count divisible), else None (replicated). Used by k2jax.sharding (param
+    shardings) and the expert-parallel shard_map alike."""
     spec = tuple(values_spec) + (None,) * (w.ndim - len(tuple(values_spec)))
     lead, ni = w.lead_ndim, w.in_ndim
     shape = w.shape
@@ -177,16 +178,10 @@ def scale_partition(w: QuantizedWeight, values_spec, mesh_shape: dict) -> tuple:
     for group, size, block, nblocks in ((range(lead, lead + ni), In, w.block[0], w.scales.shape[-2]),
                                         (range(lead + ni, len(shape)), Out, w.block[1], w.scales.shape[-1])):
         first, *rest = [spec[d] for d in group]
-        n = _shards(first, mesh_shape)
+        n = shard_count(first, mesh_shape)
         ok = first is not None and all(r is None for r in rest) and (size // n) % block == 0 and nblocks % n == 0
         out.append(first if ok else None)
     return tuple(out)
-
-
-def _shards(entry, mesh_shape) -> int:
-    if entry is None:
-        return 1
-    return math.prod(mesh_shape.get(a, 1) for a in ((entry,) if isinstance(entry, str) else entry))
 
 
 def dequantize_shard(w: QuantizedWeight, offsets, dtype):
@@ -206,6 +201,7 @@ def dequantize_shard(w: QuantizedWeight, offsets, dtype):
 
 
 def held_shapes(shape: tuple[int, ...], fmt: str, in_ndim: int = 1, lead_ndim: int = 0) -> QuantizedWeight:
-    """The QuantizedWeight (of jax.ShapeDtypeStruct: nothing allocated) that `quantize` makes of a weight of
-    logical `shape`: what a load holds for it, values and scales."""
-    return jax.eval_shape(lambda w: quantize(w, fmt, in_ndim, lead_ndim), jax.ShapeDtypeStruct(tuple(shape), jnp.float32))
+    """The QuantizedWeight (of jax.ShapeDtypeStruct: nothing allocated) that `quantize_weight` makes of a weight
+    of logical `shape`: what a load holds for it, values and scales."""
+    return jax.eval_shape(lambda w: quantize_weight(w, fmt, in_ndim, lead_ndim),
+                          jax.ShapeDtypeStruct(tuple(shape), jnp.float32))

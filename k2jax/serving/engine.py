@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from k2jax.inference import sampling
-from k2jax.inference.cache import kv_bytes_per_token, shard_count
+from k2jax.inference.cache import data_shards, kv_bytes_per_token
 from k2jax.inference.runner import Runner, host_batch
 from k2jax.serving.detok import NoText, TokenText
 from k2jax.serving.metrics import Metrics
@@ -119,7 +119,7 @@ def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, 
     stats = [d.memory_stats() or {} for d in devices]
     if stats and all("bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        shards = shard_count(mesh, max_batch)
+        shards = data_shards(mesh, max_batch)
         per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype)
         return max(max_len, int(0.9 * free / per_token) * shards)
     return max_batch * max_len
@@ -150,7 +150,7 @@ class Engine:
         self.detok, self.grammars, self.sync = detok, grammars, sync
         kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
         slots = _round_up(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
-        shards = shard_count(mesh, slots)
+        shards = data_shards(mesh, slots)
         self.max_batch = slots
         if kv_tokens is None:
             kv_tokens = default_kv_tokens(model, slots, max_len, kv_dtype if kv_dtype != "auto" else

@@ -26,7 +26,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 
@@ -119,19 +118,10 @@ def load_model(args):
     mesh = k2jax.make_mesh(args.mesh) if args.mesh else None
     tok = KimiTokenizer.from_dir(args.tokenizer) if args.tokenizer else None
     if args.demo:
-        from k2jax.demo import DEMO_CONFIG, TOKENIZER_MERGES
-        from k2jax.testing import random_params
-        from k2jax.tokenizer import write_test_tokenizer
+        from k2jax.synthetic import demo_tokenizer, random_model
 
-        cfg = k2jax.K2Config.from_hf_config(DEMO_CONFIG)
-        params = random_params(cfg, dtype or jnp.bfloat16, seed=args.seed)
-        if quant is not None:
-            params = k2jax.quantize_params(params, cfg, quant)
-        if mesh is not None:
-            params = jax.device_put(params, k2jax.param_shardings(cfg, mesh, quant=quant))
-        if tok is None:
-            with tempfile.TemporaryDirectory(prefix="k2jax-serve-tok-") as d:
-                tok = KimiTokenizer.from_dir(write_test_tokenizer(d, num_merges=TOKENIZER_MERGES))
+        cfg, params = random_model(None, dtype or jnp.bfloat16, args.seed, quant, mesh)
+        tok = tok or demo_tokenizer()
         name = args.model_name or "k2jax-demo"
     elif args.checkpoint:
         cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh, quant=quant)

@@ -1,0 +1,162 @@
+"""`convert`: a HuggingFace checkpoint -> a k2jax Orbax checkpoint (layout: k2jax.checkpoint.orbax_layout),
+step by step: verify the source -> the stored tree's arrays -> prepare (or resume) DST -> convert the units
+not yet done on the worker pool -> the manifest, last."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+import time
+
+import numpy as np
+
+from k2jax import __version__, distributed
+from k2jax.checkpoint.convert.codec import TensorConverter
+from k2jax.checkpoint.convert.destination import (GLOBAL_UNIT, all_units, done_units, layer_unit, prepare_dst,
+                                                  unit_of)
+from k2jax.checkpoint.convert.errors import ConvertError, first_line
+from k2jax.checkpoint.convert.pool import run_pool
+from k2jax.checkpoint.convert.processes import on_every_process, on_process_zero, processes
+from k2jax.checkpoint.convert.verify import DTYPES, check_source, fingerprint, open_source, parse_layers, raise_all
+from k2jax.checkpoint.orbax_layout import (CONVERSIONS, LAYOUT_VERSION, MANIFEST, PROGRESS, atomic_write, leaf_specs,
+                                           write_orbax_metadata)
+from k2jax.config import text_config
+
+
+@dataclasses.dataclass
+class Stats:
+    units_total: int = 0
+    units_converted: int = 0  # by this run
+    units_skipped: int = 0  # already done by an earlier (interrupted) run, or outside --layers
+    tensors: int = 0
+    bytes_read: int = 0
+    units_left: int = 0  # not done yet by any run (other --layers ranges)
+    seconds: float = 0.0
+    complete: bool = False
+
+
+def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layers: str | None = None,
+            overwrite: bool = False, quiet: bool = False, log=print, direct_io: bool = True) -> Stats:
+    """Convert the HF checkpoint directory `src` into `dst`. Returns Stats; raises ConvertError (or OSError /
+    SafetensorsError) with every problem found, writing nothing on bad input.
+
+    dtype (CONVERSIONS): bfloat16 / float32 dequantize any FP8 / INT4 weights; float8 keeps an FP8 release's
+    e4m3 weights and scales, int4 a Kimi-K2-Thinking release's INT4 experts, as QuantizedWeight leaves.
+    layers 'a:b' converts only those decoder layers (and the global tensors when a == 0): runs over disjoint
+    ranges, e.g. one per host, fill one DST, and whichever finishes the last unit marks it complete. Under
+    jax.distributed each process converts its own share of the layers instead.
+    direct_io: read the source and write the chunks with O_DIRECT where the filesystems allow it (see
+    safetensors_io and chunk_writer.ChunkWriter); False: through the page cache.
+    """
+    t0 = time.perf_counter()
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    workers = workers or min(8, 2 * (os.cpu_count() or 1))
+    if workers < 1:
+        raise ConvertError(f"--workers {workers}: need at least 1")
+    cfg, ckpt = open_source(src, direct_io)
+    with ckpt:
+        checked = check_source(cfg, ckpt, src, dtype)
+        if note := checked.vision_note(src):
+            log(note)
+        index, count = processes()
+        if count > 1 and layers is not None:
+            raise ConvertError(f"--layers {layers!r}: under jax.distributed each of the {count} processes converts "
+                               f"its own share of the layers; drop --layers")
+        todo_layers = (parse_layers(layers, cfg.num_hidden_layers) if count == 1
+                       else distributed.share(cfg.num_hidden_layers, index, count))
+        leaves = leaf_specs(cfg, dtype)
+        job = fingerprint(src, ckpt, dtype)
+
+        def make_converter():
+            try:
+                return TensorConverter(cfg, ckpt, dst, dtype, checked.block, leaves, direct_io)
+            except ValueError as e:  # tensorstore: the arrays of an earlier run do not match
+                raise ConvertError(f"DST {dst}: cannot create the arrays: {first_line(e)}") from None
+
+        conv = None
+        if count == 1:
+            state = prepare_dst(dst, job, overwrite)
+        else:  # process 0 prepares DST and creates the arrays, then the others open them
+            state, conv = on_process_zero("prepare", index, lambda: _prepare_and_create(dst, job, overwrite,
+                                                                                        make_converter))
+        units = all_units(cfg.num_hidden_layers)
+        stats = Stats(units_total=len(units))
+        if state == "done":
+            stats.units_skipped, stats.complete = len(units), True
+            log(f"{dst}: already holds this conversion, complete; nothing to do")
+            return stats
+        wanted = {layer_unit(i) for i in todo_layers} | ({GLOBAL_UNIT} if todo_layers.start == 0 else set())
+        done = done_units(dst)
+        run_units = wanted - done
+        stats.units_skipped = len(units) - len(run_units)
+        sources = [s for s in checked.sources if unit_of(s) in run_units]
+        order = {f: k for k, f in enumerate(sorted(ckpt.files, key=_natural))}
+        sources.sort(key=lambda s: (order[ckpt.file_of(s.stored)], ckpt.tensors[s.stored].begin))
+        if not quiet and done & wanted:
+            log(f"{dst}: resuming: {len(done & wanted)} of {len(wanted)} units already converted")
+        if count > 1 and not quiet:
+            log(f"process {index} of {count}: layers {todo_layers.start}:{todo_layers.stop}"
+                + (" and the global tensors" if GLOBAL_UNIT in wanted else ""))
+        conv = conv or make_converter()
+        if count == 1:
+            data_problems = run_pool(conv, ckpt, sources, dst, workers, quiet, stats)
+        else:  # every process learns every other's problems: all fail together, none waits forever
+            data_problems = on_every_process("convert", lambda: run_pool(conv, ckpt, sources, dst, workers, quiet,
+                                                                         stats))
+        raise_all(data_problems, src)
+
+        def complete():
+            left = len(units - done_units(dst))
+            if left == 0:
+                finalize(src, dst, ckpt, dtype, leaves, job)
+            return left
+
+        # Several processes: process 0 marks DST complete once all have converted theirs; all return after.
+        stats.units_left = complete() if count == 1 else int(on_process_zero("finalize", index,
+                                                                             lambda: (complete(), None))[0])
+        stats.complete = stats.units_left == 0
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+def _prepare_and_create(dst, job, overwrite, make_converter):
+    state = prepare_dst(dst, job, overwrite)
+    return state, (None if state == "done" else make_converter())
+
+
+def finalize(src: pathlib.Path, dst: pathlib.Path, ckpt, dtype: str, leaves: dict, job: str) -> None:
+    """config.json, Orbax metadata, then the manifest: the checkpoint is complete once the manifest exists."""
+    hf = text_config(json.loads((src / "config.json").read_text()))  # (K2.5: its text model's, converted)
+    param_dtype, quant = CONVERSIONS[dtype]
+    if quant is None:
+        hf.pop("quantization_config", None)
+    hf["torch_dtype"] = param_dtype
+    atomic_write(dst / "config.json", json.dumps(hf, indent=2))
+    write_orbax_metadata(dst, leaves)
+    manifest = {
+        "format": "k2jax orbax checkpoint", "layout_version": LAYOUT_VERSION, "tool_version": __version__,
+        "dtype": dtype, "param_dtype": param_dtype, "quant": quant,
+        "param_count": _param_count(leaves, quant),
+        "job": job,
+        "source": {"files": [{"name": f, "size": ckpt.files[f].size} for f in sorted(ckpt.files, key=_natural)],
+                   "tensors": len(ckpt.tensors)},
+        "leaves": leaves,
+    }
+    atomic_write(dst / MANIFEST, json.dumps(manifest, indent=1))
+    shutil.rmtree(dst / PROGRESS, ignore_errors=True)
+
+
+def _param_count(leaves: dict, quant: str | None) -> int:
+    """Parameters stored: every array but the scales, a packed INT4 byte counting two."""
+    return sum(int(np.prod(s["shape"])) * (2 if quant == "int4" and n.endswith(".values") else 1)
+               for n, s in leaves.items() if not n.endswith(".scales"))
+
+
+def _natural(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -1,0 +1,97 @@
+"""Verification of the source before anything is written: the files and headers, every tensor against the
+config (k2jax.checkpoint.hf_validate), what the chosen --dtype needs, the --layers range, and the job's
+fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import re
+
+from k2jax.checkpoint.convert.errors import ConvertError
+from k2jax.checkpoint.hf_validate import Validation, check_checkpoint, raise_problems, text_prefix
+from k2jax.checkpoint.orbax_layout import CONVERSIONS, LAYOUT_VERSION
+from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint, SafetensorsFile, read_index
+from k2jax.config import K2Config
+from k2jax.quant_policy import FORMATS
+
+DTYPES = tuple(CONVERSIONS)
+
+
+def raise_all(problems: list[str], where) -> None:
+    """ConvertError listing every problem (none: nothing raised); nothing has been written when it raises."""
+    raise_problems(problems, where, ConvertError, "problem(s), nothing converted")
+
+
+def open_source(src: pathlib.Path, direct: bool = False) -> tuple[K2Config, Checkpoint]:
+    """Config and checkpoint of SRC (tensor data read with O_DIRECT if `direct`); every unreadable header is
+    reported together."""
+    if not src.exists():
+        raise ConvertError(f"SRC {src}: no such file or directory")
+    if not src.is_dir():
+        raise ConvertError(f"SRC {src}: not a directory (expected a HuggingFace checkpoint directory)")
+    cfg = K2Config.from_hf_config(src)
+    if (src / INDEX_NAME).is_file():
+        files = sorted(set(read_index(src / INDEX_NAME).values()))
+    elif (src / SINGLE_NAME).is_file():
+        files = [SINGLE_NAME]
+    else:
+        raise ConvertError(f"SRC {src}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+    problems = []
+    for f in files:
+        if not (src / f).is_file():
+            continue  # reported by Checkpoint with the tensors it was meant to hold
+        try:
+            SafetensorsFile(src / f).close()
+        except (ValueError, OSError) as e:
+            problems.append(str(e))
+    raise_all(problems, src)
+    return cfg, Checkpoint(src, direct)
+
+
+def check_source(cfg: K2Config, ckpt: Checkpoint, src: pathlib.Path, dtype: str) -> Validation:
+    """Validate the whole source for a `--dtype` conversion; ConvertError listing every problem."""
+    checked = check_checkpoint(cfg, ckpt, prefix=text_prefix(src))
+    problems = list(checked.problems)
+    if dtype == "float8":
+        problems += [f"{s.stored!r} ({ckpt.file_of(s.stored)}): {s.dtype}, but --dtype float8 keeps "
+                     f"the release's F8_E4M3 weights (convert a float checkpoint with --dtype bfloat16)"
+                     for s in checked.sources if s.target.fp8 and s.dtype != "F8_E4M3"]
+        if tuple(checked.block) != FORMATS["fp8"].block and not problems:
+            problems.append(f"config.json: weight_block_size {list(checked.block)}: --dtype float8 stores the "
+                            f"{FORMATS['fp8'].block} blocks k2jax holds (k2jax.quant_policy); convert with "
+                            f"--dtype bfloat16")
+    if dtype == "int4":
+        problems += [f"{s.stored!r} ({ckpt.file_of(s.stored)}): {s.dtype}, but --dtype int4 keeps the INT4 routed "
+                     f"experts of a pack-quantized checkpoint (Kimi-K2-Thinking) as stored; convert an FP8 "
+                     f"release with --dtype float8 and load it with quant='int4' (requantized, lossy)"
+                     for s in checked.sources if s.target.int4 and s.dtype != "INT4"][:1]
+    raise_all(problems, src)
+    return checked
+
+
+def parse_layers(spec: str | None, n: int) -> range:
+    """'a:b' (either side optional) or 'a' -> the HF layers to convert."""
+    if spec is None:
+        return range(n)
+    m = re.fullmatch(r"\s*(\d*)\s*(:?)\s*(\d*)\s*", spec)
+    if not m or (not m.group(2) and not m.group(1)):
+        raise ConvertError(f"--layers {spec!r}: expected a:b (layer indices, b exclusive), e.g. 0:30")
+    a = int(m.group(1) or 0)
+    b = int(m.group(3) or n) if m.group(2) else a + 1
+    if not 0 <= a < b <= n:
+        raise ConvertError(f"--layers {spec!r}: need 0 <= a < b <= num_hidden_layers ({n})")
+    return range(a, b)
+
+
+def fingerprint(src: pathlib.Path, ckpt: Checkpoint, dtype: str) -> str:
+    """What makes a conversion's bytes: the source (config, file names and sizes, every header), the output
+    dtype and the layout. A rerun resumes only a job with the same fingerprint."""
+    h = hashlib.sha256()
+    h.update((src / "config.json").read_bytes())
+    for f in sorted(ckpt.files):
+        sf = ckpt.files[f]
+        h.update(json.dumps([f, sf.size, sorted(sf.tensors.items())]).encode())
+    h.update(json.dumps([dtype, LAYOUT_VERSION]).encode())
+    return h.hexdigest()
