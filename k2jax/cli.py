@@ -34,7 +34,7 @@ def _generate(args) -> int:
     import jax.numpy as jnp
 
     import k2jax
-    from k2jax import distributed as D
+    from k2jax import distributed as dist
     from k2jax.tokenizer import KimiTokenizer
 
     if (args.prompt is None) == (args.prompt_ids is None):
@@ -44,9 +44,9 @@ def _generate(args) -> int:
     if args.mesh and args.hf_checkpoint:
         raise ValueError("--mesh works with --checkpoint (a converted checkpoint); --hf-checkpoint loads on one device")
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
-    if D.initialize_from_args(args) and not args.mesh:
+    if dist.initialize_from_args(args) and not args.mesh:
         raise ValueError("a multi-process run needs --mesh (over every process's devices) and --checkpoint")
-    main_process = D.is_main()  # only process 0 prints
+    main_process = dist.is_main()  # only process 0 prints
     mesh = k2jax.make_mesh(args.mesh) if args.mesh else None
     t0 = time.perf_counter()
     quant = None if args.quant == "none" else args.quant
@@ -54,7 +54,7 @@ def _generate(args) -> int:
         cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh, quant=quant)
     else:
         cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
-    D.log0(f"loaded in {time.perf_counter() - t0:.1f} s")
+    dist.log0(f"loaded in {time.perf_counter() - t0:.1f} s")
     model = k2jax.K2Model(cfg, jax_dtype(params))
     if mesh is None and cfg.num_moe_layers and jax.default_backend() == "cpu":
         params = k2jax.split_experts(params)  # XLA:CPU would copy each layer's stacked experts per step
@@ -92,8 +92,8 @@ def _generate(args) -> int:
     t = {}
     k2jax.generate(model, params, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop_tokens=stop, mesh=mesh, on_token=on_token, timings=t)
-    D.print0()
-    D.log0(f"prompt {len(ids)} tokens, {len(out)} new | prefill {len(ids) / t['prefill_s']:.1f} tokens/s | "
+    dist.print0()
+    dist.log0(f"prompt {len(ids)} tokens, {len(out)} new | prefill {len(ids) / t['prefill_s']:.1f} tokens/s | "
           f"decode {t['decode_steps'] / max(t['decode_s'], 1e-9):.1f} tokens/s | time to first token "
           f"{t['prefill_s']:.3f} s (+ {t['compile_s']:.1f} s compiling)")
     return 0

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k2jax.serving import openai_fields as F
+from k2jax.serving import openai_fields as fields
 from k2jax.serving.detok import TokenText
 from k2jax.serving.engine import Engine, QueueFull, Request
 from k2jax.serving.oplog import AccessLog
@@ -98,7 +98,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
     created = int(time.time())
     table = engine.detok or (TokenText(tokenizer) if tokenizer is not None else None)
     names = Names(table)
-    limits = F.Limits(engine.model.cfg.vocab_size, engine.max_len, engine.max_batch + engine.max_queue,
+    limits = fields.Limits(engine.model.cfg.vocab_size, engine.max_len, engine.max_batch + engine.max_queue,
                       engine.PENDING_FIELDS)
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "k2jax",
                   "max_model_len": engine.max_len}
@@ -141,12 +141,12 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
     @app.post("/tokenize")
     async def tokenize(http: HTTPRequest):
         body = await _json(http)
-        F.check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
+        fields.check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
                                         "add_generation_prompt", "return_token_strs"}))
         _check_model(body, model_name)
         if tokenizer is None:
             raise BadRequest("tokenize needs a tokenizer: start the server with --tokenizer DIR", None)
-        F.flag(body, "add_special_tokens")  # Kimi's tokenizer adds none to text: nothing to add either way
+        fields.flag(body, "add_special_tokens")  # Kimi's tokenizer adds none to text: nothing to add either way
         if ("prompt" in body) == ("messages" in body):
             raise BadRequest("prompt: give exactly one of prompt (text) or messages (chat)", "prompt")
         if "prompt" in body:
@@ -156,28 +156,28 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
             ids = tokenizer.encode(text)
         else:
             try:
-                ids = tokenizer.apply_chat_template(F.chat_messages(body),
-                                                    add_generation_prompt=F.flag(body, "add_generation_prompt", True))
+                ids = tokenizer.apply_chat_template(fields.chat_messages(body),
+                                                    add_generation_prompt=fields.flag(body, "add_generation_prompt", True))
             except ValueError as e:
                 raise BadRequest(f"messages: {e}", "messages") from None
-        strs = [names.text(i) for i in ids] if F.flag(body, "return_token_strs") else None
+        strs = [names.text(i) for i in ids] if fields.flag(body, "return_token_strs") else None
         return {"count": len(ids), "max_model_len": engine.max_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest):
         body = await _json(http)
-        F.check_fields(body, frozenset({"model", "tokens"}))
+        fields.check_fields(body, frozenset({"model", "tokens"}))
         _check_model(body, model_name)
         if table is None:
             raise BadRequest("detokenize needs a tokenizer: start the server with --tokenizer DIR", None)
-        return {"prompt": table.decode(F.token_ids(body.get("tokens"), "tokens", limits.vocab_size))}
+        return {"prompt": table.decode(fields.token_ids(body.get("tokens"), "tokens", limits.vocab_size))}
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
         t0 = time.perf_counter()
         body = await _json(http)
         _check_model(body, model_name)
-        job = F.parse_completion(body, tokenizer, limits)
+        job = fields.parse_completion(body, tokenizer, limits)
         return await _generate(http, engine, state, job, t0, model_name, names, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -185,7 +185,7 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
         t0 = time.perf_counter()
         body = await _json(http)
         _check_model(body, model_name)
-        job = F.parse_chat(body, tokenizer, limits)
+        job = fields.parse_chat(body, tokenizer, limits)
         return await _generate(http, engine, state, job, t0, model_name, names, chat=True)
 
     return app
@@ -218,7 +218,7 @@ async def _watch_disconnect(http: HTTPRequest, q: asyncio.Queue) -> None:
             return
 
 
-async def _generate(http, engine: Engine, state: ServeState, job: F.Job, t0: float, model_name: str,
+async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0: float, model_name: str,
                     names: Names, chat: bool):
     """Run a parsed request: one engine request per choice; -> the response (streamed or whole)."""
     loop = asyncio.get_running_loop()
@@ -293,13 +293,13 @@ async def _generate(http, engine: Engine, state: ServeState, job: F.Job, t0: flo
     return JSONResponse(response(rid, created, model_name, chat, choices, prompt_tokens, names))
 
 
-def _echo(job: F.Job, j: int, names: Names) -> str:
+def _echo(job: fields.Job, j: int, names: Names) -> str:
     if not job.echo:
         return ""
     return job.prompt_texts[j] if job.prompt_texts[j] is not None else names.table.decode(job.prompts[j])
 
 
-async def _stream(engine, reqs, choices, q, watcher, record, chunks: Chunks, job: F.Job, prompt_tokens: int):
+async def _stream(engine, reqs, choices, q, watcher, record, chunks: Chunks, job: fields.Job, prompt_tokens: int):
     """The server-sent events of a streamed request: each choice's chunks as its tokens come, a last chunk
     with its finish_reason ("abort" when the server shuts down first), the usage if asked, then [DONE]."""
     left = len(reqs)

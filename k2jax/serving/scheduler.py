@@ -101,19 +101,19 @@ class Scheduler:
         if slots % self.shards:
             raise ValueError(f"{slots} slots do not split over {self.shards} data-parallel shards")
         self.slots, self.per_shard = slots, slots // self.shards
-        self.Y = pool.page_size
+        self.page_size = pool.page_size
         self.slot_seq: list[Seq | None] = [None] * slots
         self.waiting: collections.deque[Seq] = collections.deque()
         self.preemptions = 0
         # The shapes a step can take (Engine.warm_up compiles them all).
-        self.max_pages = -(-max_len // self.Y)
-        self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.Y))
+        self.max_pages = -(-max_len // self.page_size)
+        self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.page_size))
         self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
         self.chunk_sizes = pow2_upto(prefill_chunk, lo=min(64, prefill_chunk))
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
-        return min(self.max_pages, read + -(-tokens // self.Y)) + 1
+        return min(self.max_pages, read + -(-tokens // self.page_size)) + 1
 
     def shapes(self) -> list[StepShape]:
         """Every shape `plan` can return."""
@@ -126,7 +126,7 @@ class Scheduler:
     # --- admission -------------------------------------------------------------------------------------
     def fits(self, n_tokens: int) -> bool:
         """Whether a sequence of n_tokens can ever be held (the whole shard's pages at most)."""
-        return -(-n_tokens // self.Y) <= self.pool.capacity()
+        return -(-n_tokens // self.page_size) <= self.pool.capacity()
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -147,20 +147,20 @@ class Scheduler:
                                             -self.pool.available(sh), sh))
             shard = shards[0]
             pages, keys = self.pool.match(shard, seq.tokens) if seq.reuse else ([], [])
-            first = min(len(seq.tokens) - len(pages) * self.Y, self.chunk)
-            more = self.pool.take(shard, self._pages_for(len(pages) * self.Y + first) - len(pages))
+            first = min(len(seq.tokens) - len(pages) * self.page_size, self.chunk)
+            more = self.pool.take(shard, self._pages_for(len(pages) * self.page_size + first) - len(pages))
             if more is None:  # no room for its first chunk yet: wait (the running rows will finish)
                 self.pool.release(pages)
-                self.pool.hits -= len(pages) * self.Y
+                self.pool.hits -= len(pages) * self.page_size
                 return
             self.waiting.popleft()
             seq.slot = next(b for b in free if b // self.per_shard == shard)
-            seq.pages, seq.keys, seq.cached, seq.order = pages + more, keys, len(pages) * self.Y, next(_ORDER)
+            seq.pages, seq.keys, seq.cached, seq.order = pages + more, keys, len(pages) * self.page_size, next(_ORDER)
             seq.new_slot = True
             self.slot_seq[seq.slot] = seq
 
     def _pages_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.Y)
+        return -(-n_tokens // self.page_size)
 
     # --- the next step ---------------------------------------------------------------------------------
     def plan(self) -> list[Call]:

@@ -222,14 +222,14 @@ def _size(n: int) -> str:
 
 
 def run(args) -> int:
-    from k2jax import distributed as D
+    from k2jax import distributed as dist
 
     _check_flags(args)
     # Claim the port before anything slow (jax.distributed, loading, compiling) when this is surely process 0.
     sock = bind(args.host, args.port) if not args.distributed and args.process_id in (None, 0) else None
     try:
-        D.initialize_from_args(args)
-        if sock is None and D.is_main():
+        dist.initialize_from_args(args)
+        if sock is None and dist.is_main():
             sock = bind(args.host, args.port)
         return _run(args, sock)
     finally:
@@ -238,7 +238,7 @@ def run(args) -> int:
 
 
 def _run(args, sock) -> int:
-    from k2jax import distributed as D
+    from k2jax import distributed as dist
 
     import jax
     import jax.numpy as jnp
@@ -248,7 +248,7 @@ def _run(args, sock) -> int:
     from k2jax.serving.detok import TokenText
     from k2jax.serving.engine import Engine
 
-    log = setup_logging(D.is_main())
+    log = setup_logging(dist.is_main())
     compiles.install()
     use_compile_cache(args.compile_cache)
     multi = jax.process_count() > 1
@@ -281,7 +281,7 @@ def _run(args, sock) -> int:
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
     log.info(f"compiled the engine steps in {compile_s:.1f} s (prefill chunks of up to {engine.prefill_chunk})")
-    if not D.is_main():
+    if not dist.is_main():
         # A supervisor may signal every process: the followers step until process 0 tells them to stop.
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: log.warning("signal ignored: this process stops when process 0 does"))
