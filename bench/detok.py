@@ -88,7 +88,8 @@ def main():
     args = ap.parse_args()
 
     from k2jax.serving.detok import TokenText
-    from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
+    from k2jax.tokenizer import KimiTokenizer
+    from tests.bpe import write_test_tokenizer
 
     with tempfile.TemporaryDirectory() as d:
         tok = KimiTokenizer.from_dir(args.tokenizer or write_test_tokenizer(d, num_merges=2000))

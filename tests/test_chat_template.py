@@ -6,7 +6,8 @@ import json
 import pytest
 
 from k2jax.serving.chat_template import BUILTIN_TEMPLATE, ChatTemplate
-from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
+from k2jax.tokenizer import KimiTokenizer
+from tests.bpe import write_test_tokenizer
 
 TOOLS = [
     {"type": "function", "function": {

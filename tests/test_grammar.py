@@ -10,7 +10,8 @@ import pytest
 
 from k2jax.serving import tool_calls
 from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer, fill_bitmasks, pack_bits, unpack_bits
-from k2jax.tokenizer import KimiTokenizer, load_ranks, write_test_tokenizer
+from k2jax.tokenizer import KimiTokenizer, load_ranks
+from tests.bpe import write_test_tokenizer
 
 PAD = 37  # the model's vocab is the tokenizer's plus padding ids, and not a multiple of 32
 MAX_STEPS = 400

@@ -254,7 +254,7 @@ BAD = [  # (path, raw body or JSON, status, param)
     ("completions", {"model": "tiny", "prompt": [1, 2], "no_such_field": 1}, 400, "no_such_field"),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
      "echo"),
-    ("chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     ("completions", {"model": "tiny", "prompt": [1, 5000]}, 400, "prompt"),
 ]
 

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from k2jax.serving import detok as D
-from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
+from k2jax.tokenizer import KimiTokenizer
+from tests.bpe import write_test_tokenizer
 
 
 @pytest.fixture(scope="module")

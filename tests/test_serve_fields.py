@@ -2,19 +2,18 @@
 without a server: every field parsed or refused with the field named, the seeds of n choices, and logprobs
 in the completions and chat formats (whole and streamed) from engine events."""
 
-import dataclasses
 import json
 
 import pytest
 
-from k2jax.serving import openai_fields as F
+from k2jax.serving import openai_fields as fields
 from k2jax.serving.detok import TokenText
-from k2jax.serving.engine import Engine, Event, SamplingParams
+from k2jax.serving.engine import Event, SamplingParams
 from k2jax.serving.responses import Choice, Chunks, Names, response
-from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
+from k2jax.tokenizer import KimiTokenizer
+from tests.bpe import write_test_tokenizer
 
-LIMITS = F.Limits(vocab_size=1024, max_len=64, max_choices=12)
-PENDING = dataclasses.replace(LIMITS, pending=Engine.PENDING_FIELDS)
+LIMITS = fields.Limits(vocab_size=1024, max_len=64, max_choices=12)
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +22,14 @@ def tok(tmp_path_factory):
 
 
 def refused(body, param, chat=False, limits=LIMITS, tok=None):
-    with pytest.raises(F.BadRequest) as e:
-        (F.parse_chat if chat else F.parse_completion)(body, tok, limits)
+    with pytest.raises(fields.BadRequest) as e:
+        (fields.parse_chat if chat else fields.parse_completion)(body, tok, limits)
     assert e.value.param == param and param.split(".")[0].split("[")[0] in e.value.message, e.value.message
     return e.value
 
 
 def test_sampling_fields_reach_the_params():
-    job = F.parse_completion({"prompt": [5, 6], "max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+    job = fields.parse_completion({"prompt": [5, 6], "max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
                               "min_p": 0.1, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": -1,
                               "repetition_penalty": 1.3, "logit_bias": {"7": 5, "3": -100}, "min_tokens": 2,
                               "logprobs": 3, "stop": ["x"], "stop_token_ids": [9], "ignore_eos": True,
@@ -43,21 +42,21 @@ def test_sampling_fields_reach_the_params():
 
 def test_chat_logprobs_and_top_logprobs(tok):
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    assert F.parse_chat(base, tok, LIMITS).params[0].logprobs is None
-    assert F.parse_chat(base | {"logprobs": True}, tok, LIMITS).params[0].logprobs == 0
-    assert F.parse_chat(base | {"logprobs": True, "top_logprobs": 5}, tok, LIMITS).params[0].logprobs == 5
+    assert fields.parse_chat(base, tok, LIMITS).params[0].logprobs is None
+    assert fields.parse_chat(base | {"logprobs": True}, tok, LIMITS).params[0].logprobs == 0
+    assert fields.parse_chat(base | {"logprobs": True, "top_logprobs": 5}, tok, LIMITS).params[0].logprobs == 5
     refused(base | {"top_logprobs": 5}, "top_logprobs", chat=True, tok=tok)
     refused(base | {"logprobs": True, "top_logprobs": 21}, "top_logprobs", chat=True, tok=tok)
     refused(base | {"logprobs": 3}, "logprobs", chat=True, tok=tok)
 
 
 def test_no_seed_draws_a_random_one():
-    seeds = {F.parse_completion({"prompt": [5]}, None, LIMITS).params[0].seed for _ in range(4)}
+    seeds = {fields.parse_completion({"prompt": [5]}, None, LIMITS).params[0].seed for _ in range(4)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
 
 
 def test_n_choices_get_derived_seeds_and_prompt_major_indices():
-    job = F.parse_completion({"prompt": [[5, 6], [7]], "n": 3, "seed": 42}, None, LIMITS)
+    job = fields.parse_completion({"prompt": [[5, 6], [7]], "n": 3, "seed": 42}, None, LIMITS)
     got = [(k, j, p.seed) for k, j, p in job.choices()]
     # the documented derivation, written out: seed + i * 0x9E3779B97F4A7C15 mod 2^63
     want = [(j * 3 + i, j, (42 + i * 0x9E3779B97F4A7C15) % 2**63) for j in range(2) for i in range(3)]
@@ -109,19 +108,8 @@ def test_chat_refuses_what_it_does_not_implement(tok, body, param):
     refused({"messages": [{"role": "user", "content": "hi"}]} | body, param, chat=True, tok=tok)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("min_p", 0.1), ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("repetition_penalty", 1.2),
-    ("logit_bias", {"5": 3}), ("min_tokens", 1), ("logprobs", 0)])
-def test_fields_the_engine_does_not_apply_yet_are_refused_not_ignored(field, value):
-    refused({"prompt": [5], "max_tokens": 4, field: value}, field, limits=PENDING)
-    # at their no-op defaults they are fine
-    default = {"min_p": 0, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-               "logit_bias": {}, "min_tokens": 0, "logprobs": None}[field]
-    F.parse_completion({"prompt": [5], "max_tokens": 4, field: default}, None, PENDING)
-
-
 def test_echo_and_prompt_lists(tok):
-    job = F.parse_completion({"prompt": ["The quick", "brown"], "echo": True}, tok, LIMITS)
+    job = fields.parse_completion({"prompt": ["The quick", "brown"], "echo": True}, tok, LIMITS)
     assert job.prompts == [tok.encode("The quick"), tok.encode("brown")]
     assert job.prompt_texts == ["The quick", "brown"] and job.echo
 

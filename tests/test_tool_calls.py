@@ -9,7 +9,8 @@ import pytest
 from k2jax.serving import reasoning, tool_calls
 from k2jax.serving.chat_output import ChatOutputStream, hidden_names, parse_output
 from k2jax.serving.deltas import ChatMessage, Delta, ToolCallDelta, assemble
-from k2jax.tokenizer import KimiTokenizer, write_test_tokenizer
+from k2jax.tokenizer import KimiTokenizer
+from tests.bpe import write_test_tokenizer
 
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"

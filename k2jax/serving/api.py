@@ -10,8 +10,16 @@ Around the routes: `--api-key` (a Bearer token on everything but /health, /metri
 OpenAI's 401), the drain at shutdown (new requests get 503 while the running ones finish; the server's
 ServeState), and an access log line per request (k2jax.serving.oplog).
 
+Chat requests go through the server's chat template (with tools, tool messages, assistant tool_calls, the
+developer role and chat_template_kwargs), and their output through K2's tool-call and reasoning parsers when
+they ask for it (k2jax.serving.chat_request): the message gets `tool_calls` (ids `functions.NAME:IDX` as the
+model wrote them; finish_reason "tool_calls") and `reasoning_content` apart from `content`, and a stream sends
+OpenAI's deltas for them. tool_choice "required" / a named function and response_format are decoded under a
+grammar (k2jax.serving.grammar).
+
 Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`; every choice also carries the generated `token_ids`.
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `chat_template_kwargs`; every choice also carries the
+generated `token_ids` (special tokens included: a tool-call section's markers are there).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k2jax.serving import chat_request
 from k2jax.serving import openai_fields as fields
+from k2jax.serving.chat_template import ChatTemplate
 from k2jax.serving.detok import TokenText
 from k2jax.serving.engine import Engine, QueueFull, Request
 from k2jax.serving.oplog import AccessLog
@@ -83,10 +93,13 @@ class Guard:
             self.state.inflight -= 1
 
 
-def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None = None,
-             state: ServeState | None = None, access_log: bool = True, logger=None) -> FastAPI:
+def make_app(engine: Engine, tokenizer, model_name: str, *, chat_template: ChatTemplate | None = None,
+             api_key: str | None = None, state: ServeState | None = None, access_log: bool = True,
+             logger=None) -> FastAPI:
     """The app for `engine` (its thread started by the caller). tokenizer: k2jax.tokenizer.KimiTokenizer or
-    None (then prompts must be token ids, and chat, echo of token ids and /tokenize are refused)."""
+    None (then prompts must be token ids, and chat, echo of token ids and /tokenize are refused).
+    chat_template: how chat messages become a prompt (default: the built-in K2 template). Structured output
+    uses the engine's grammar compiler (engine.grammars)."""
     from k2jax import __version__
 
     app = FastAPI(title="k2jax serve")
@@ -96,10 +109,10 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
     app.add_middleware(AccessLog, logger=logger, enabled=access_log)  # outermost: logs the guard's answers too
     metrics = engine.metrics
     created = int(time.time())
+    template = chat_template or (ChatTemplate.from_tokenizer_dir(None) if tokenizer is not None else None)
     table = engine.detok or (TokenText(tokenizer) if tokenizer is not None else None)
     names = Names(table)
-    limits = fields.Limits(engine.model.cfg.vocab_size, engine.max_len, engine.max_batch + engine.max_queue,
-                      engine.PENDING_FIELDS)
+    limits = fields.Limits(engine.model.cfg.vocab_size, engine.max_len, engine.max_batch + engine.max_queue)
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "k2jax",
                   "max_model_len": engine.max_len}
 
@@ -141,8 +154,8 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
     @app.post("/tokenize")
     async def tokenize(http: HTTPRequest):
         body = await _json(http)
-        fields.check_fields(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                        "add_generation_prompt", "return_token_strs"}))
+        fields.check_fields(body, frozenset({"model", "prompt", "messages", "tools", "chat_template_kwargs",
+                                        "add_special_tokens", "add_generation_prompt", "return_token_strs"}))
         _check_model(body, model_name)
         if tokenizer is None:
             raise BadRequest("tokenize needs a tokenizer: start the server with --tokenizer DIR", None)
@@ -153,13 +166,15 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
             text = body["prompt"]
             if not isinstance(text, str):
                 raise BadRequest("prompt: expected a string", "prompt")
+            for k in ("tools", "chat_template_kwargs", "add_generation_prompt"):
+                if k in body:
+                    raise BadRequest(f"{k}: only with messages", k)
             ids = tokenizer.encode(text)
-        else:
+        else:  # exactly the prompt a chat request with these fields runs
             try:
-                ids = tokenizer.apply_chat_template(fields.chat_messages(body),
-                                                    add_generation_prompt=fields.flag(body, "add_generation_prompt", True))
-            except ValueError as e:
-                raise BadRequest(f"messages: {e}", "messages") from None
+                _, ids = chat_request.render(template, tokenizer, body, fields.flag(body, "add_generation_prompt", True))
+            except chat_request.FieldError as e:
+                raise BadRequest(str(e), e.param) from None
         strs = [names.text(i) for i in ids] if fields.flag(body, "return_token_strs") else None
         return {"count": len(ids), "max_model_len": engine.max_len, "tokens": ids, "token_strs": strs}
 
@@ -185,7 +200,8 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, api_key: str | None 
         t0 = time.perf_counter()
         body = await _json(http)
         _check_model(body, model_name)
-        job = fields.parse_chat(body, tokenizer, limits)
+        # In a thread: rendering, tokenizing and a first grammar compile take a while for long prompts.
+        job = await asyncio.to_thread(fields.parse_chat, body, tokenizer, limits, template, engine.grammars)
         return await _generate(http, engine, state, job, t0, model_name, names, chat=True)
 
     return app
@@ -235,7 +251,8 @@ async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0
 
     specs = job.choices()
     reqs = [Request(job.prompts[j], p, callback(k)) for k, j, p in specs]
-    choices = [Choice(k, len(job.prompts[j]), p.logprobs is not None, _echo(job, j, names)) for k, j, p in specs]
+    choices = [Choice(k, len(job.prompts[j]), p.logprobs is not None, _echo(job, j, names), job.chat)
+               for k, j, p in specs]
     prompt_tokens = sum(len(p) for p in job.prompts)
     if state.draining:  # parsed while the drain began
         return error_response(503, "the server is shutting down and takes no new requests",
@@ -313,7 +330,8 @@ async def _stream(engine, reqs, choices, q, watcher, record, chunks: Chunks, job
                 return
             left -= record(k, ev)
             if ev.text or ev.token_ids or ev.finish_reason:
-                yield chunks.delta(choices[k], ev, ev.finish_reason)
+                for s in chunks.event(choices[k], ev):
+                    yield s
         if job.include_usage:
             yield chunks.usage(prompt_tokens, choices)
         yield chunks.done()

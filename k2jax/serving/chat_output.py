@@ -8,7 +8,8 @@ Input: the generated ids detokenized WITH special tokens by name, stop tokens le
   3. the names in `hide` (all special-token names when skip_special_tokens) are removed from reasoning and
      content, so markers of a malformed section or stray special tokens never reach the client.
 `parse_output` (whole text) and `ChatOutputStream` (pieces) give the same message: assemble(stream deltas)
-== parse_output(text) for any way of splitting the text.
+== parse_output(text) for any way of splitting the text. With `parallel=False` (the request's
+parallel_tool_calls: false) only the first parsed call is kept; later ones are dropped.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def hidden_names(tokenizer, skip_special_tokens: bool = True) -> tuple[str, ...]
 
 
 def parse_output(text: str, *, reasoning: bool = False, reasoning_at_start: bool = False, tools: bool = False,
-                 hide: Iterable[str] = ()) -> ChatMessage:
+                 hide: Iterable[str] = (), parallel: bool = True) -> ChatMessage:
     """Whole generated text -> ChatMessage(content, reasoning_content, tool_calls)."""
     think, rest = reasoning_mod.split_reasoning(text, reasoning_at_start) if reasoning else ("", text)
     content, calls = tool_calls_mod.parse(rest) if tools else (rest, [])
+    calls = calls if parallel else calls[:1]
     strip = SpecialTextFilter(hide).strip
     return ChatMessage.from_parts(strip(content or ""), strip(think), calls)
 
@@ -41,8 +43,9 @@ class ChatOutputStream:
     `tool_calls` lists the calls released so far (finish_reason: tool_calls.finish_reason(reason, it))."""
 
     def __init__(self, *, reasoning: bool = False, reasoning_at_start: bool = False, tools: bool = False,
-                 hide: Iterable[str] = ()):
+                 hide: Iterable[str] = (), parallel: bool = True):
         hide = tuple(hide)
+        self._parallel = parallel
         self._reasoning = reasoning_mod.ReasoningStream(reasoning_at_start) if reasoning else None
         self._tools = tool_calls_mod.ToolCallStream() if tools else None
         self._hide_reasoning = SpecialTextFilter(hide)
@@ -50,7 +53,8 @@ class ChatOutputStream:
 
     @property
     def tool_calls(self) -> list[dict]:
-        return self._tools.tool_calls if self._tools is not None else []
+        calls = self._tools.tool_calls if self._tools is not None else []
+        return calls if self._parallel else calls[:1]
 
     def feed(self, text: str) -> list[Delta]:
         """Next text delta -> deltas to send now (possibly none)."""
@@ -73,6 +77,8 @@ class ChatOutputStream:
         text = ""
         for d in pieces:
             if d.content is None:  # a tool-call fragment: first flush the content before it
+                if not self._parallel and d.tool_call.index > 0:
+                    continue
                 text = self._flush(out, text)
                 out.append(d)
             else:

@@ -133,10 +133,6 @@ class Engine:
     pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
     `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
 
-    # SamplingParams fields the device step does not apply (the API refuses a request that sets one rather
-    # than ignore it): none, the runner's sampler (k2jax.inference.sampling) applies them all.
-    PENDING_FIELDS = frozenset()
-
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,

@@ -208,19 +208,22 @@ class GrammarCompiler:
 
     # --------------------------------------------------------------------------------------- entry points
     def for_request(self, *, response_format: dict | None = None, tools: list[dict] | None = None,
-                    tool_choice=None, reasoning: bool = False, reasoning_at_start: bool = False) -> Grammar | None:
+                    tool_choice=None, reasoning: bool = False, reasoning_at_start: bool = False,
+                    parallel: bool = True) -> Grammar | None:
         """The grammar an OpenAI chat request asks for, or None (unconstrained).
 
-        tool_choice "required" -> at least one call of one of `tools`; {"type": "function", "function":
-        {"name": N}} -> exactly one call of N; both with arguments per the tool's `parameters` schema (strict
-        when the tool says `strict: true`). Otherwise response_format {"type": "json_object"} -> a JSON object;
+        tool_choice "required" -> at least one call of one of `tools` (exactly one when not `parallel`, the
+        request's parallel_tool_calls: false); {"type": "function", "function": {"name": N}} -> exactly one
+        call of N; both with arguments per the tool's `parameters` schema (strict when the tool says
+        `strict: true`). Otherwise response_format {"type": "json_object"} -> a JSON object;
         {"type": "json_schema", "json_schema": {"schema": S, "strict": b}} -> JSON matching S; "text"/None ->
         None. tool_choice "auto"/"none"/None never constrains. ValueError names the bad field."""
         if tool_choice is not None and tool_choice not in ("auto", "none"):
             if not tools:
                 raise ValueError("tool_choice: forcing a tool call needs `tools`")
             if tool_choice == "required":
-                return self.tool_calls(tools, reasoning=reasoning, reasoning_at_start=reasoning_at_start)
+                return self.tool_calls(tools, parallel=parallel, reasoning=reasoning,
+                                       reasoning_at_start=reasoning_at_start)
             if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
                 name = (tool_choice.get("function") or {}).get("name")
                 if not isinstance(name, str):
@@ -259,11 +262,11 @@ class GrammarCompiler:
         return self._compile(("json", schema, strict, reasoning, reasoning_at_start), body, reasoning,
                              reasoning_at_start, param)
 
-    def tool_calls(self, tools: list[dict], name: str | None = None, *, reasoning: bool = False,
-                   reasoning_at_start: bool = False) -> Grammar:
+    def tool_calls(self, tools: list[dict], name: str | None = None, *, parallel: bool = True,
+                   reasoning: bool = False, reasoning_at_start: bool = False) -> Grammar:
         """A K2 tool-call section: with `name`, exactly one call of that function; else one or more calls of
-        any of `tools`. Each call: <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON per
-        the tool's parameters}<|tool_call_end|>."""
+        any of `tools` (exactly one when not `parallel`). Each call: <|tool_call_begin|>functions.NAME:IDX
+        <|tool_call_argument_begin|>{JSON per the tool's parameters}<|tool_call_end|>."""
         validate_tools(tools)
         chosen = []
         for i, t in enumerate(tools):
@@ -281,11 +284,11 @@ class GrammarCompiler:
                          f'<|tool_call_argument_begin|> args_{i} <|tool_call_end|>')
             lines.append(f"args_{i}: %json {json.dumps(schema)}")
         calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
-        repeat = "" if name is not None else "+"
+        repeat = "+" if name is None and parallel else ""
         body = (f"start_body: <|tool_calls_section_begin|> call{repeat} <|tool_calls_section_end|>\n"
                 f"call: {calls}\n" + "\n".join(lines) + f"\nCALL_INDEX: {CALL_INDEX}\n")
         key = ("tools", [{"name": f["name"], "parameters": f.get("parameters"), "strict": bool(f.get("strict"))}
-                         for f in chosen], name, reasoning, reasoning_at_start)
+                         for f in chosen], name, bool(repeat), reasoning, reasoning_at_start)
         return self._compile(key, body, reasoning, reasoning_at_start, "tools")
 
     # ------------------------------------------------------------------------------------------ internals

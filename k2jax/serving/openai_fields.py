@@ -1,19 +1,24 @@
 """OpenAI request bodies -> what the engine runs: the prompts, one SamplingParams per choice, and the response
 options. Every field is either understood or refused with a 400 that names it (BadRequest.param), never
-ignored: unknown fields, OpenAI fields this server does not implement, and sampling fields the engine does
-not apply yet (Engine.PENDING_FIELDS) are all refused.
+ignored: unknown fields and OpenAI fields this server does not implement are refused.
 
 Semantics are OpenAI's, with vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
-`stop_token_ids`, `ignore_eos`, `skip_special_tokens`). `n` choices of one prompt sample with seeds derived
+`stop_token_ids`, `ignore_eos`, `skip_special_tokens`, chat's `chat_template_kwargs`). A chat request's
+messages, tools, tool_choice, parallel_tool_calls, response_format and chat_template_kwargs are read by
+k2jax.serving.chat_request (Job.chat). `n` choices of one prompt sample with seeds derived
 from the request's `seed` (`choice_seed`); a request without a seed gets a random 63-bit one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import secrets
 
+from k2jax.serving import chat_request
+from k2jax.serving.chat_request import AGENT_FIELDS, ChatSetup, FieldError
+from k2jax.serving.chat_template import ChatTemplate
 from k2jax.serving.engine import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -27,11 +32,8 @@ COMMON_FIELDS = frozenset({
     "frequency_penalty", "logit_bias", "seed", "user",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens"})
-# Chat fields handled by the tool-call, reasoning and structured-output modules: accepted here as they are.
-CHAT_PASSTHROUGH = frozenset({"tools", "tool_choice", "parallel_tool_calls", "response_format", "functions",
-                              "function_call", "reasoning_effort"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | CHAT_PASSTHROUGH | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+CHAT_FIELDS = COMMON_FIELDS | AGENT_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                                   "metadata", "store", "service_tier", "modalities"}
 # OpenAI fields this server knows and does not implement (a clearer message than "unknown field").
 NOT_IMPLEMENTED = {
@@ -39,6 +41,10 @@ NOT_IMPLEMENTED = {
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
+    "functions": "deprecated by OpenAI and not supported: send `tools` (type \"function\") instead",
+    "function_call": "deprecated by OpenAI and not supported: send `tool_choice` instead",
+    "reasoning_effort": "not supported: K2 has no effort levels; turn reasoning off with chat_template_kwargs "
+                        "{\"thinking\": false}",
 }
 # SamplingParams field -> the request field that sets it, where the names differ.
 REQUEST_NAME = {"stop_ids": "stop_token_ids"}
@@ -54,12 +60,11 @@ class BadRequest(Exception):
 
 @dataclasses.dataclass
 class Limits:
-    """What the server can run: vocabulary, cache length, most choices at once, fields not applied yet."""
+    """What the server can run: vocabulary, cache length, most choices at once."""
 
     vocab_size: int
     max_len: int
     max_choices: int
-    pending: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -74,6 +79,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     chat_logprobs: bool = False  # chat's format: logprobs.content[], top_logprobs as lists
+    chat: ChatSetup | None = None  # a chat request's prompt, grammar and output parsing
 
     def choices(self):
         """-> [(index, prompt index, SamplingParams)] in index order."""
@@ -175,37 +181,6 @@ def check_prompt(ids, limits: Limits, field):
                          f"completion together)", field, code="context_length_exceeded")
 
 
-def chat_messages(body) -> list[dict]:
-    """messages -> [{"role", "content": str}] (text content parts joined)."""
-    msgs = body.get("messages")
-    if msgs is None:
-        raise BadRequest("messages: required", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m:
-            raise BadRequest(f"messages[{i}]: expected an object with role and content", f"messages[{i}]")
-        c = m.get("content") or ""
-        if isinstance(c, list):  # content parts: text only
-            if any(not isinstance(x, dict) or x.get("type") != "text" for x in c):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            c = "".join(x.get("text", "") for x in c)
-        if not isinstance(c, str):
-            raise BadRequest(f"messages[{i}].content: expected a string", f"messages[{i}].content")
-        clean.append({"role": m["role"], "content": c})
-    return clean
-
-
-def chat_prompt(body, tok, limits: Limits, add_generation_prompt: bool = True) -> list[int]:
-    try:
-        ids = tok.apply_chat_template(chat_messages(body), add_generation_prompt=add_generation_prompt)
-    except ValueError as e:
-        raise BadRequest(f"messages: {e}", "messages") from None
-    check_prompt(ids, limits, "messages")
-    return ids
-
-
 # --- the request as a whole ----------------------------------------------------------------------------
 
 def parse_completion(body: dict, tok, limits: Limits) -> Job:
@@ -229,12 +204,19 @@ def parse_completion(body: dict, tok, limits: Limits) -> Job:
     return job
 
 
-def parse_chat(body: dict, tok, limits: Limits) -> Job:
-    """A /v1/chat/completions body -> Job (one prompt: the Kimi chat template over the messages)."""
+def parse_chat(body: dict, tok, limits: Limits, template: ChatTemplate | None = None, grammars=None) -> Job:
+    """A /v1/chat/completions body -> Job: one prompt, `template` (default: the built-in K2 template) over the
+    messages and tools; `grammars` (a GrammarCompiler; None refuses constrained requests) for tool_choice
+    required / a named function and response_format (k2jax.serving.chat_request)."""
     check_fields(body, CHAT_FIELDS)
     if tok is None:
         raise BadRequest("chat needs a tokenizer: start the server with --tokenizer DIR", "messages")
-    prompt = chat_prompt(body, tok, limits)
+    skip = flag(body, "skip_special_tokens", True)
+    try:
+        setup = chat_request.chat_setup(body, tok, template or _builtin_template(), grammars, skip)
+    except FieldError as e:
+        raise BadRequest(str(e), e.param) from None
+    check_prompt(setup.prompt, limits, "messages")
     n = number(body, "n", 1, lo=1, integer=True)
     want = flag(body, "logprobs")
     top = number(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
@@ -248,10 +230,19 @@ def parse_chat(body: dict, tok, limits: Limits) -> Job:
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise BadRequest(f"modalities: only [\"text\"] is supported, got {mods!r}", "modalities")
-    params = sampling(body, len(prompt), tok, limits, chat=True, logprobs=(top or 0) if want else None)
-    job = Job([prompt], [None], [params], n, chat_logprobs=True, **stream_options(body))
+    params = sampling(body, len(setup.prompt), tok, limits, chat=True, logprobs=(top or 0) if want else None)
+    # A parsed output is detokenized with special-token names (the parsers read the markers; the setup hides
+    # them again as the client asked).
+    params = dataclasses.replace(params, grammar=setup.grammar,
+                                 skip_special_tokens=params.skip_special_tokens and not setup.parses)
+    job = Job([setup.prompt], [None], [params], n, chat_logprobs=True, chat=setup, **stream_options(body))
     check_choices(job, limits)
     return job
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_template() -> ChatTemplate:
+    return ChatTemplate.from_tokenizer_dir(None)
 
 
 def stream_options(body) -> dict:
@@ -320,7 +311,6 @@ def sampling(body, n_prompt, tok, limits: Limits, chat: bool, logprobs: int | No
         stop_ids=tuple(stop_ids),
         stop=stop,
         skip_special_tokens=flag(body, "skip_special_tokens", True))
-    check_pending(params, limits.pending)
     return params
 
 
@@ -345,12 +335,3 @@ def logit_bias(body, vocab) -> tuple[tuple[int, float], ...]:
             raise BadRequest(f"logit_bias: the bias of {k} must be a number in [-100, 100], got {b!r}", "logit_bias")
         out[t] = float(b)
     return tuple(sorted(out.items()))
-
-
-def check_pending(params: SamplingParams, pending) -> None:
-    """400 for a field set to anything but its no-op default that the engine does not apply yet."""
-    for f in dataclasses.fields(SamplingParams):
-        if f.name in pending and getattr(params, f.name) != f.default:
-            name = REQUEST_NAME.get(f.name, f.name)
-            raise BadRequest(f"{name}: not supported by this server yet (its engine does not apply it); leave it "
-                             f"out or at its default", name)

@@ -9,6 +9,11 @@ Logprobs come from the engine as one {"token_id", "logprob", "top": [[token_id, 
 A token's text is its bytes decoded on their own (an incomplete UTF-8 piece shows as U+FFFD: `bytes` has the
 real ones); a special token shows its name. -inf (a token the sampled distribution excludes) is reported as
 -9999.0, which JSON can carry.
+
+A chat choice whose output is parsed (tools or reasoning: k2jax.serving.chat_request.ChatSetup) gets its
+message from the parsers (content, reasoning_content, tool_calls; finish_reason "tool_calls" when a call was
+parsed); streamed, each event's text goes through the choice's own ChatOutputStream and every delta it
+yields is one chunk (the event's token_ids and logprobs ride on the first; finish_reason on the last).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 
+from k2jax.serving import chat_request
 from k2jax.serving.engine import Event
 
 LOGPROB_FLOOR = -9999.0
@@ -64,8 +70,11 @@ def chat_logprobs(entries: list[dict], names: Names) -> dict:
 class Choice:
     """One choice's answer, built up from its events."""
 
-    def __init__(self, index: int, prompt_tokens: int, wants_logprobs: bool, echo: str = ""):
+    def __init__(self, index: int, prompt_tokens: int, wants_logprobs: bool, echo: str = "", chat=None):
+        """chat: the request's chat_request.ChatSetup (its output parsed when it asks for that)."""
         self.index, self.prompt_tokens, self.wants_logprobs = index, prompt_tokens, wants_logprobs
+        self.setup = chat if chat is not None and chat.parses else None
+        self.parser = self.setup.stream() if self.setup is not None else None  # streamed: one per choice
         self.echo = echo  # prompt text to put before the output (completions' echo), sent with the first chunk
         self.text: list[str] = [echo] if echo else []
         self.ids: list[int] = []
@@ -106,7 +115,12 @@ def response(rid: str, created: int, model: str, chat: bool, choices: list[Choic
         d = {"index": c.index, "finish_reason": c.finish_reason,
              "logprobs": c.logprobs_json(c.logprobs, names, chat), "token_ids": c.ids}
         text = "".join(c.text)
-        d |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        if c.setup is not None:
+            msg = c.setup.message(text)
+            d |= {"message": msg.to_openai(),
+                  "finish_reason": chat_request.finish_reason(c.finish_reason, msg.tool_calls)}
+        else:
+            d |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         out.append(d)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": out, "usage": usage(prompt_tokens, choices)}
@@ -143,6 +157,24 @@ class Chunks:
         else:
             d["text"] = ev.text
         return self._event([d])
+
+    def event(self, c: Choice, ev: Event) -> list[str]:
+        """The chunks of one engine event of choice c (its last one carries ev.finish_reason)."""
+        if c.parser is None:
+            return [self.delta(c, ev, ev.finish_reason)]
+        finish = ev.finish_reason
+        deltas = c.parser.feed(ev.text) if ev.text else []
+        if finish:
+            deltas += c.parser.finish()
+            finish = chat_request.finish_reason(finish, c.parser.tool_calls)
+        if not deltas and not ev.token_ids and not finish:
+            return []
+        lp = c.logprobs_json(ev.logprobs or [], self.names, self.chat) if ev.token_ids else None
+        bodies = [d.to_openai() for d in deltas] or [{}]
+        return [self._event([{"index": c.index, "finish_reason": finish if i == len(bodies) - 1 else None,
+                              "logprobs": lp if i == 0 else None, "token_ids": ev.token_ids if i == 0 else [],
+                              "delta": body}])
+                for i, body in enumerate(bodies)]
 
     def usage(self, prompt_tokens: int, choices: list[Choice]) -> str:
         return self._event([], usage=usage(prompt_tokens, choices))

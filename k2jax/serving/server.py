@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR",
                    help="directory with tiktoken.model and tokenizer_config.json (without it, prompts must be "
                         "token ids and chat is refused)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a jinja chat template that replaces the checkpoint's (default: the chat_template of "
+                        "--tokenizer's tokenizer_config.json, or its chat_template.jinja, else the built-in K2 "
+                        "template; --demo uses the built-in one)")
     p.add_argument("--model-name", help="the model id clients send (default: the checkpoint's directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -147,9 +151,30 @@ def use_compile_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+def chat_template(args):
+    """The server's ChatTemplate (None without a tokenizer: chat is refused). Read before the model loads,
+    so that a bad template fails at once."""
+    from k2jax.serving.chat_template import ChatTemplate
+
+    if args.tokenizer is None and not args.demo:
+        if args.chat_template is not None:
+            raise ValueError("--chat-template: chat needs a tokenizer; give --tokenizer DIR too")
+        return None
+    return ChatTemplate.from_tokenizer_dir(args.tokenizer, args.chat_template)
+
+
 def _grammars(tok, cfg):
-    """The structured-output compiler for this tokenizer and model (None without a tokenizer)."""
-    return None
+    """The structured-output compiler for this tokenizer and model (None without a tokenizer). Built once per
+    server and shared by the engine (per-request matchers) and the API (a request's grammar is compiled, and
+    cached, when it is parsed); its vocabulary view of the tokenizer is the costly part."""
+    if tok is None:
+        return None
+    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+
+    if cfg.vocab_size < tok.vocab_size:
+        raise ValueError(f"--tokenizer: {tok.vocab_size} ids, more than the model's vocab_size {cfg.vocab_size}: "
+                         f"not this model's tokenizer")
+    return GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size))
 
 
 def _name(path) -> str:
@@ -254,12 +279,16 @@ def _run(args, sock) -> int:
     multi = jax.process_count() > 1
     if multi and not args.mesh:
         raise ValueError("a multi-process server needs --mesh (over every process's devices)")
+    template = chat_template(args)
     t0 = time.perf_counter()
     model, params, tok, name, mesh = load_model(args)
     log.info(f"{name} loaded in {time.perf_counter() - t0:.1f} s: compute dtype {jnp.dtype(model.param_dtype).name}, "
              f"weights {_bytes_by_dtype(params)}" + (f" (--quant {args.quant})" if args.quant != "none" else ""))
     if tok is None:
         log.info("no --tokenizer: prompts must be token ids; chat and text are refused")
+    else:
+        log.info(f"chat template: {template.origin}" + (f" (thinking {'on' if template.thinking_default else 'off'} "
+                                                        f"by default)" if template.is_thinking else ""))
     sync = None
     if multi:
         from k2jax.serving.multihost import StepSync
@@ -291,7 +320,7 @@ def _run(args, sock) -> int:
     thread = threading.Thread(target=engine.run, name="k2jax-engine", daemon=True)
     thread.start()
     try:
-        _serve(args, sock, engine, tok, name, log)
+        _serve(args, sock, engine, tok, template, name, log)
     finally:
         engine.stop()
         thread.join(timeout=90)
@@ -300,15 +329,15 @@ def _run(args, sock) -> int:
     return 0
 
 
-def _serve(args, sock, engine, tok, name, log) -> None:
+def _serve(args, sock, engine, tok, template, name, log) -> None:
     """uvicorn on `sock` until a signal's drain ends."""
     import uvicorn
 
     from k2jax.serving.api import ServeState, make_app
 
     state = ServeState()
-    app = make_app(engine, tok, name, api_key=args.api_key, state=state, access_log=not args.no_access_log,
-                   logger=log)
+    app = make_app(engine, tok, name, chat_template=template, api_key=args.api_key, state=state,
+                   access_log=not args.no_access_log, logger=log)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
     server = _server_class()(config)
     life = _Lifecycle(server, engine, state, args, sock, name, log)
