@@ -61,8 +61,13 @@ def _generate(args) -> int:
 
     tok = KimiTokenizer.from_dir(args.tokenizer) if args.tokenizer else None
     if args.prompt is not None:
-        ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat
-               else tok.encode(args.prompt))
+        if args.chat:  # the checkpoint's own chat template (k2jax serve renders it the same way)
+            from k2jax.serving.chat_template import ChatTemplate
+
+            text = ChatTemplate.from_tokenizer_dir(args.tokenizer).render([{"role": "user", "content": args.prompt}])
+            ids = tok.encode(text, allow_special=True)
+        else:
+            ids = tok.encode(args.prompt)
         stop = tok.stop_ids if args.chat else [tok.eos_id]
     else:
         try:

@@ -43,8 +43,6 @@ KIMI_SPECIAL_OFFSETS = {
     "<|im_middle|>": 17, "[UNK]": 254, "[PAD]": 255,
 }
 
-DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-CHAT_ROLES = ("system", "user", "assistant")
 
 
 def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
@@ -160,30 +158,3 @@ class KimiTokenizer:
     def decode(self, ids) -> str:
         """Decode to text; partial UTF-8 sequences become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
-        """Render `[{"role", "content"}, ...]` in Kimi's chat format.
-
-        Each turn is `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>`; a
-        default system turn is prepended when none is given. Returns token ids
-        (markers as special ids, role and content as plain text) or the string.
-        """
-        for m in messages:
-            if m["role"] not in CHAT_ROLES:
-                raise ValueError(f"unsupported chat role {m['role']!r}; expected one of {CHAT_ROLES}")
-        if not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, *messages]
-        # Segments alternate (is_special, text) so ids are built without ever
-        # parsing special markers out of content.
-        segs = []
-        for m in messages:
-            segs += [(True, f"<|im_{m['role']}|>"), (False, m["role"]), (True, "<|im_middle|>"),
-                     (False, m["content"]), (True, "<|im_end|>")]
-        if add_generation_prompt:
-            segs += [(True, "<|im_assistant|>"), (False, "assistant"), (True, "<|im_middle|>")]
-        if not tokenize:
-            return "".join(s for _, s in segs)
-        ids: list[int] = []
-        for special, s in segs:
-            ids += [self.special_tokens[s]] if special else self.encode(s)
-        return ids

@@ -125,3 +125,11 @@ class Solo:
             if t in stop_ids:
                 return toks[:i + 1]
         return toks
+
+
+def chat_ids(tok, messages, **kw) -> list[int]:
+    """The prompt ids the server builds for chat messages with the built-in K2 template (the test tokenizer
+    directory has no chat_template of its own)."""
+    from k2jax.serving.chat_template import ChatTemplate
+
+    return tok.encode(ChatTemplate.builtin().render(messages, **kw), allow_special=True)

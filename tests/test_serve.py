@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_util import Solo, free_port, metric, running, serve_argv, write_model
+from tests.serve_util import Solo, chat_ids, free_port, metric, running, serve_argv, write_model
 
 MAX_BATCH, MAX_LEN, CHUNK, QUEUE = 8, 256, 32, 24
 
@@ -87,11 +87,11 @@ def test_models_and_a_completion_equal_to_generate(server, solo, tok):
 def test_chat_uses_the_kimi_template(server, solo, tok):
     msgs = [{"role": "user", "content": "Write code"}]
     r = client(server).chat.completions.create(model="tiny", messages=msgs, max_tokens=8, **GREEDY)
-    want = solo(tok.apply_chat_template(msgs), 8, tok.stop_ids)
+    want = solo(chat_ids(tok, msgs), 8, tok.stop_ids)
     assert r.choices[0].token_ids == want
     assert r.choices[0].message.content == text_of(tok, [t for t in want if t not in tok.stop_ids])
     assert r.choices[0].finish_reason == ("stop" if want[-1] in tok.stop_ids else "length")
-    assert r.usage.prompt_tokens == len(tok.apply_chat_template(msgs))
+    assert r.usage.prompt_tokens == len(chat_ids(tok, msgs))
 
 
 def _expected(solo, tok, p, n, stop_ids=(), stop=()):
@@ -455,7 +455,7 @@ def test_logprobs_equal_a_log_softmax_of_the_model_logits(server, solo, tok):
             assert got.top_logprobs[i][tok.decode([int(t)])] == pytest.approx(float(ref[i, t]), abs=1e-4)
     # chat: the same per token, top_logprobs in order, and bytes that name the token ids
     msgs = [{"role": "user", "content": "Write code"}]
-    p = tok.apply_chat_template(msgs)
+    p = chat_ids(tok, msgs)
     ids = solo(p, 6, tok.stop_ids)
     ref = log_softmax_ref(solo, p, ids)
     r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, logprobs=True, top_logprobs=k,
@@ -480,7 +480,7 @@ def test_tokenize_and_detokenize(server, tok):
                  "token_strs": [tok.decode([i]) for i in ids]}
     msgs = [{"role": "user", "content": "hi"}]
     r = httpx.post(f"{url}/tokenize", json={"messages": msgs}).json()
-    assert r["tokens"] == tok.apply_chat_template(msgs) and r["token_strs"] is None
+    assert r["tokens"] == chat_ids(tok, msgs) and r["token_strs"] is None
     assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"prompt": "The quick brown fox"}
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"

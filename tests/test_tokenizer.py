@@ -6,7 +6,7 @@ import json
 import pytest
 
 from k2jax.synthetic import DEMO_TOKENIZER_DIR, demo_tokenizer
-from k2jax.tokenizer import DEFAULT_SYSTEM_PROMPT, KIMI_NUM_REGULAR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, load_ranks
+from k2jax.tokenizer import KIMI_NUM_REGULAR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, load_ranks
 from tests.bpe import DEMO_MERGES, split_pieces, write_test_tokenizer
 
 TEXTS = [
@@ -135,30 +135,27 @@ def _turn(tok, role, content):
     return [s[f"<|im_{role}|>"], *tok.encode(role), s["<|im_middle|>"], *tok.encode(content), s["<|im_end|>"]]
 
 
-def test_chat_template_exact(tok):
+def test_builtin_chat_template_is_kimis_format(tok):
+    """The built-in template (k2jax.serving.chat_template, used when a checkpoint has none) renders K2's turns
+    literally: a default system turn, `<|im_{role}|>{role}<|im_middle|>{content}<|im_end|>`, the generation
+    prompt; tokenized with the markers as special ids and role and content as text."""
+    from k2jax.serving.chat_template import ChatTemplate
+
+    t = ChatTemplate.builtin()
     s = tok.special_tokens
     msgs = [{"role": "user", "content": "你好, what is 2+2?"}, {"role": "assistant", "content": "4."}]
     gen = [s["<|im_assistant|>"], *tok.encode("assistant"), s["<|im_middle|>"]]
-    default_sys = _turn(tok, "system", DEFAULT_SYSTEM_PROMPT)
+    ids = lambda m, **kw: tok.encode(t.render(m, **kw), allow_special=True)  # noqa: E731
+    default_sys = _turn(tok, "system", "You are Kimi, an AI assistant created by Moonshot AI.")
     body = _turn(tok, "user", msgs[0]["content"]) + _turn(tok, "assistant", "4.")
-    assert tok.apply_chat_template(msgs) == default_sys + body + gen
-    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == default_sys + body
+    assert ids(msgs) == default_sys + body + gen
+    assert ids(msgs, add_generation_prompt=False) == default_sys + body
     sys_msgs = [{"role": "system", "content": "Be brief."}, msgs[0]]
-    assert tok.apply_chat_template(sys_msgs) == _turn(tok, "system", "Be brief.") + _turn(tok, "user", msgs[0]["content"]) + gen
-    # Spot-check the first ids literally, not via the helper.
-    assert tok.apply_chat_template(sys_msgs)[:1] == [tok.vocab_size - 256 + 10]
-    text = tok.apply_chat_template(sys_msgs, tokenize=False)
-    assert text == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
-                    "<|im_user|>user<|im_middle|>你好, what is 2+2?<|im_end|>"
-                    "<|im_assistant|>assistant<|im_middle|>")
-    # With no special text in the content, the string re-encodes to the same ids.
-    assert tok.encode(text, allow_special=True) == tok.apply_chat_template(sys_msgs)
-
-
-def test_chat_template_content_cannot_inject_specials(tok):
-    ids = tok.apply_chat_template([{"role": "user", "content": "<|im_end|>"}], add_generation_prompt=False)
-    assert ids.count(tok.special_tokens["<|im_end|>"]) == 2  # system + user turn ends only
-
+    assert ids(sys_msgs) == _turn(tok, "system", "Be brief.") + _turn(tok, "user", msgs[0]["content"]) + gen
+    assert ids(sys_msgs)[:1] == [tok.vocab_size - 256 + 10]  # the first id literally: <|im_system|>
+    assert t.render(sys_msgs) == ("<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+                                  "<|im_user|>user<|im_middle|>你好, what is 2+2?<|im_end|>"
+                                  "<|im_assistant|>assistant<|im_middle|>")
 
 def test_errors(tmp_path, tok_dir):
     missing = tmp_path / "nope"
@@ -179,11 +176,6 @@ def test_errors(tmp_path, tok_dir):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"5": {"content": "x"}}}))
     with pytest.raises(ValueError, match="tokenizer_config.json"):
         KimiTokenizer.from_dir(tmp_path)
-
-
-def test_unknown_role(tok):
-    with pytest.raises(ValueError, match="tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
 def test_shipped_demo_tokenizer_is_the_trainers_output(tmp_path):
