@@ -409,21 +409,6 @@ def test_echo_puts_the_prompt_before_the_completion(server, tok):
     assert "".join(p.choices[0].text for p in parts) == "The quick" + plain.choices[0].text
 
 
-def test_fields_the_engine_does_not_apply_yet_are_refused(server):
-    c = client(server)
-    for kw in ({"presence_penalty": 0.5}, {"frequency_penalty": 1.0}, {"logprobs": 2}, {"logit_bias": {"5": 10}},
-               {"extra_body": {"min_p": 0.1}}, {"extra_body": {"repetition_penalty": 1.2}},
-               {"extra_body": {"min_tokens": 3}}):
-        name = next(iter(kw.get("extra_body", kw)))
-        with pytest.raises(openai.BadRequestError, match=name) as e:
-            c.completions.create(model="tiny", prompt=[5, 6], max_tokens=4, **kw)
-        assert e.value.body["param"] == name
-    # at their defaults they are accepted
-    r = c.completions.create(model="tiny", prompt=[5, 6], max_tokens=2, presence_penalty=0, frequency_penalty=0,
-                             logit_bias={}, **GREEDY)
-    assert len(r.choices[0].token_ids) >= 1
-
-
 def log_softmax_ref(solo, p, ids):
     """log_softmax of K2Model.apply's float32 logits over prompt + output, at the positions that predicted
     each output token: [len(ids), V]."""

@@ -78,14 +78,9 @@ def demo():
 def biases():
     """logit_bias for JSON (the demo tokenizer's whitespace-only tokens out) and for tool calls (that, and
     the section's end favoured); see the module doc."""
-    import tempfile
+    from k2jax.synthetic import demo_tokenizer
 
-    from k2jax.demo import TOKENIZER_MERGES
-    from k2jax.tokenizer import KimiTokenizer
-    from tests.bpe import write_test_tokenizer
-
-    with tempfile.TemporaryDirectory() as d:  # the tokenizer `serve --demo` builds
-        tok = KimiTokenizer.from_dir(write_test_tokenizer(d, num_merges=TOKENIZER_MERGES))
+    tok = demo_tokenizer()  # the tokenizer `serve --demo` serves
     ws = {str(i): -100 for i in range(tok.num_base) if tok.decode_bytes([i]) and not tok.decode_bytes([i]).strip()}
     assert ws and len(ws) < 300
     return ws, ws | {str(tok.special_tokens["<|tool_calls_section_end|>"]): END_BIAS}

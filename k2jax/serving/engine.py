@@ -114,15 +114,19 @@ _IDS = itertools.count()
 def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, mesh=None) -> int:
     """The pool's size when neither --kv-tokens nor --kv-memory is given: 90% of the devices' free memory
     (after the weights) in tokens, where the devices report it; on a host without that figure (XLA:CPU),
-    max_batch x max_len tokens."""
+    max_batch x max_len tokens. Under jax.distributed every process takes process 0's figure."""
     devices = list(mesh.devices.flat) if mesh is not None else jax.local_devices()[:1]
-    stats = [d.memory_stats() or {} for d in devices]
+    stats = [d.memory_stats() or {} for d in devices if d.process_index == jax.process_index()]
+    tokens = max_batch * max_len
     if stats and all("bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        shards = data_shards(mesh, max_batch)
         per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype)
-        return max(max_len, int(0.9 * free / per_token) * shards)
-    return max_batch * max_len
+        tokens = max(max_len, int(0.9 * free / per_token) * data_shards(mesh, max_batch))
+    if jax.process_count() > 1:  # every process must make the same pool
+        from jax.experimental import multihost_utils
+
+        tokens = int(multihost_utils.broadcast_one_to_all(np.int64(tokens)))
+    return tokens
 
 
 class Engine:

@@ -305,7 +305,7 @@ def _run(args, sock) -> int:
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
                     grammars=_grammars(tok, model.cfg))
     state = engine.runner.state
-    log.info(f"KV cache pool: {engine.kv_tokens} tokens in pages of {args.page_size}, "
+    log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
