@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tree (nothing allocated, no devices needed). --mesh: one mesh, per component, and "
                                    "which chips hold it. --chips N with --chip or --hbm: the meshes over data, expert "
                                    "and tensor for N chips, ranked by the KV tokens that fit beside the weights "
-                                   "(fsdp, a training axis, is left out: it gathers every weight before each use). "
+                                   "(fsdp, a training axis, is left out: it would gather the weights again at every step). "
                                    "--compile TOPOLOGY: the runtime's programs compiled for that TPU slice by the TPU "
                                    "compiler on this host (needs `pip install 'k2jax[tpu-aot]'`), with the "
                                    "compiler's bytes per chip beside the plan's, the collectives and weight checks.")

@@ -15,10 +15,11 @@ cache is replicated over it.
 
 `search` ranks the meshes of a chip count by the KV tokens that fit beside the weights, keeping a reserve of
 each chip's memory free for activations and compiler temporaries. It searches data x expert x tensor and
-leaves `fsdp` out: fsdp splits the weights' model dim and gathers them before each use, which on inference
-moves every weight a step touches over the interconnect on every step (a decode step touches all of them),
-while it holds the weights no smaller than `expert` and `tensor` do and splits the batch no further than
-`data` does.
+leaves `fsdp` out: a training axis, fsdp splits every weight's model dim (attention's too, so it would hold
+less per chip) but gathers the weights again before each use; on inference that moves every weight a step
+touches over the interconnect on every step, and a decode step touches all of them (Kimi K2 on
+fsdp=2,expert=32: half of each chip's 12 experts per layer, ~16 GB a step). `plan(cfg, mesh)` takes any
+mesh, fsdp included.
 """
 
 from __future__ import annotations
@@ -365,8 +366,8 @@ def format_search(cands: list[Candidate], chips: int, hbm: float, reserve: float
     lines = [f"{what}{chips} chips of {format_bytes(hbm)} ({format_bytes(hbm * (1 - reserve))} usable at "
              f"{reserve:.0%} reserve), weights {p0.label}, KV cache {p0.kv_dtype} "
              f"({p0.bytes_per_token:,} bytes per token as the chips hold it)",
-             f"meshes over {', '.join(SEARCH_AXES)} (fsdp is a training axis: it gathers the weights before "
-             "each use), best first by KV tokens that fit:"]
+             f"meshes over {', '.join(SEARCH_AXES)} (fsdp, a training axis, would gather the weights again at "
+             "every step), best first by KV tokens that fit:"]
     kv = p0.kv
     head = f"  {'#':>2}  {'mesh':<26} {'weights/chip':>12}  {'KV shards':>9}  {'KV tokens':>9}"
     if kv is not None:
