@@ -19,12 +19,107 @@ def _info(args) -> int:
 
 
 def _plan(args) -> int:
-    from k2jax.config import K2Config
-    from k2jax.plan import format_plan, plan
+    import json
+    import os
 
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        # plan needs no device: on a host with libtpu but no TPU, starting one would only log warnings
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:
+            pass
+    from k2jax.config import K2Config
+    from k2jax.plan import GiB, chip, format_plan, format_search, plan, search
+
+    if args.dtype in ("float8", "fp8", "int4"):
+        q = "fp8" if args.dtype == "float8" else args.dtype
+        raise ValueError(f"--dtype {args.dtype}: the quantization is --quant {q} (--dtype is the dtype of the rest: "
+                         "bfloat16 or float32), as serve and generate take them")
+    if args.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--dtype must be bfloat16 or float32, got {args.dtype!r}")
     cfg = K2Config.from_hf_config(args.config)
-    print(format_plan(plan(cfg, args.mesh, args.dtype, args.batch, args.max_len), args.reserve))
+    kw = dict(quant=None if args.quant == "none" else args.quant, dtype=args.dtype, batch=args.batch,
+              max_len=args.max_len, kv_dtype=args.kv_cache_dtype, page_size=args.page_size)
+    what = f"{args.config}: "
+    if args.compile:
+        return _plan_compile(args, cfg, kw, what)
+    if args.mesh and args.chips is None and args.chip is None and args.hbm is None:
+        p = plan(cfg, args.mesh, **kw)
+        if args.json:
+            from k2jax.aot.report import plan_json
+
+            print(json.dumps(plan_json(p), indent=1))
+        else:
+            print(format_plan(p, args.reserve))
+        return 0
+    if args.chips is None:
+        raise ValueError("give --mesh SPEC (one mesh), --chips N with --chip NAME or --hbm GiB (search the "
+                         "meshes), or --compile TOPOLOGY")
+    hbm = args.hbm * GiB if args.hbm else chip(args.chip).hbm if args.chip else None
+    if hbm is None:
+        raise ValueError("--chips needs the memory per chip: --chip v5p|v6e|v5e|h100|h200 or --hbm GiB")
+    if args.chip:  # a TPU pads each token's cache values to 128 (k2jax.inference.cache.lane)
+        kw["kv_lane"] = chip(args.chip).kv_lane
+    if args.mesh:
+        raise ValueError("--mesh plans one mesh; --chips searches them: give one of the two")
+    cands = search(cfg, args.chips, hbm, reserve=args.reserve, **kw)
+    if args.json:
+        from k2jax.aot.report import plan_json
+
+        print(json.dumps([plan_json(c.plan) | {"kv_tokens": c.kv_tokens, "fits": c.fits}
+                          for c in cands[:args.top]], indent=1))
+    else:
+        print(format_search(cands, args.chips, hbm, args.reserve, args.top, what))
     return 0
+
+
+def _plan_compile(args, cfg, kw, what) -> int:
+    """`k2jax plan --compile TOPOLOGY`: the runtime's programs compiled for the topology."""
+    import json
+    import sys
+
+    from k2jax.aot import compile as aot
+    from k2jax.aot.report import format_compile, plan_json, result_json
+    from k2jax.aot.topology import chip_name, chips_in, load_topology, topology_mesh
+    from k2jax.inference.cache import TPU_LANE
+    from k2jax.plan import CHIPS, GiB, Chip, plan, search
+
+    name = chip_name(args.compile)
+    if not (args.batch and args.max_len):
+        raise ValueError("--compile needs the cache the programs run on: --batch ROWS --max-len TOKENS")
+    programs = tuple(x.strip() for x in args.programs.split(",") if x.strip())
+    shapes = aot.step_shapes(args.batch, args.max_len, args.page_size, args.prefill, args.chunk, programs)
+    chips = chips_in(args.compile)
+    if args.chips is not None and args.chips != chips:
+        raise ValueError(f"--chips {args.chips}: topology {args.compile} has {chips} chips")
+    part = CHIPS.get(name) or Chip(name, f"TPU {name}", 0)
+    if args.hbm:
+        part = Chip(part.name, part.label, int(args.hbm * GiB))
+    if not part.hbm:
+        raise ValueError(f"--compile {args.compile}: no memory figure for {name} chips: give --hbm GiB")
+    topo = load_topology(args.compile)  # before the search: a missing libtpu fails fast
+    kw["kv_lane"] = TPU_LANE
+    if len(topo.devices) != chips:
+        chips = len(topo.devices)
+    recommended = not args.mesh
+    mesh_spec = args.mesh or search(cfg, chips, part.hbm, reserve=args.reserve, **kw)[0].mesh_spec
+    p = plan(cfg, mesh_spec, **kw)
+    mesh = topology_mesh(topo.devices, mesh_spec)
+
+    def progress(r):
+        state = "FAILED" if r.error else f"{r.seconds:.0f} s"
+        print(f"compiled {r.name} ({r.shape.rows} x {r.shape.tokens}): {state}", file=sys.stderr, flush=True)
+
+    results = aot.compile_programs(cfg, mesh, p, shapes, on_progress=progress)
+    if args.json:
+        print(json.dumps({"config": str(args.config), "topology": args.compile, "chips": chips,
+                          "hbm_bytes": part.hbm, "reserve": args.reserve, "recommended": recommended,
+                          "plan": plan_json(p), "programs": [result_json(r) for r in results]}, indent=1))
+    else:
+        print(format_compile(results, p, args.compile, part, args.reserve, recommended, what))
+    return 1 if any(r.error for r in results) else 0
 
 
 def _generate(args) -> int:
@@ -115,6 +210,9 @@ def jax_dtype(params):
     return params["embed_tokens"].dtype
 
 
+CHIP_NAMES = ("v5e", "v6e", "v5p", "h100", "h200")  # k2jax.plan.CHIPS (not imported: it pulls in jax)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="k2jax", description="Kimi K2 (DeepSeek-V3 architecture) in JAX: model tools.")
@@ -127,25 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(no memory allocated), with totals and bytes in bf16 and fp8.")
     p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
     p.set_defaults(func=_info)
-    p = sub.add_parser("plan", help="bytes per device of a config sharded on a mesh, and which chips hold it",
-                       description="Per-device bytes of the params (and the latent KV cache with --batch and "
-                                   "--max-len) sharded by k2jax's rules table on a mesh, from the abstract param "
-                                   "tree (nothing allocated, no devices needed), and whether that fits TPU "
-                                   "v5e/v6e/v5p, H100 and H200 memory with a reserve kept free. Params with a "
-                                   "dim the mesh does not divide fall back (replicated over the axes that do "
-                                   "not divide it) and are listed with their extra bytes per device.")
+    p = sub.add_parser("plan", help="bytes per chip of a config on a mesh, the mesh to use, and the compiler's check",
+                       description="Per-chip bytes of the params, the paged latent KV cache and the sampling state "
+                                   "(--batch, --max-len) sharded by k2jax's rules table, from the abstract param "
+                                   "tree (nothing allocated, no devices needed). --mesh: one mesh, per component, and "
+                                   "which chips hold it. --chips N with --chip or --hbm: the meshes over data, expert "
+                                   "and tensor for N chips, ranked by the KV tokens that fit beside the weights "
+                                   "(fsdp, a training axis, is left out: it would gather the weights again at every step). "
+                                   "--compile TOPOLOGY: the runtime's programs compiled for that TPU slice by the TPU "
+                                   "compiler on this host (needs `pip install 'k2jax[tpu-aot]'`), with the "
+                                   "compiler's bytes per chip beside the plan's, the collectives and weight checks.")
     p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
-    p.add_argument("--mesh", required=True,
-                   help="mesh axis sizes, e.g. expert=64,tensor=4 (axes data, fsdp, expert, tensor; absent = 1)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float8", "int4", "float32"),
-                   help="weights as held on device (values and scales): float8 = the released e4m3 layout with "
-                        "128x128-block scales (load quant='fp8'); int4 = routed experts in 4 bits with a bf16 "
-                        "scale per 32 inputs, the rest bf16 (load quant='int4', Kimi-K2-Thinking); default "
-                        "bfloat16")
-    p.add_argument("--batch", type=int, default=0, help="KV cache batch size (with --max-len)")
-    p.add_argument("--max-len", type=int, default=0, help="KV cache length in tokens (with --batch)")
+    p.add_argument("--mesh", help="mesh axis sizes, e.g. expert=64,tensor=4 (axes data, fsdp, expert, tensor; "
+                                  "absent = 1)")
+    p.add_argument("--chips", type=int, help="search the meshes of this many chips")
+    p.add_argument("--chip", choices=tuple(CHIP_NAMES), help="the chips' memory from their kind")
+    p.add_argument("--hbm", type=float, help="memory per chip in GiB (instead of --chip)")
+    p.add_argument("--compile", metavar="TOPOLOGY",
+                   help="compile the programs for a TPU topology, e.g. v5p:4x4x4 or v6e:8x8, on the recommended "
+                        "mesh (or --mesh); needs --batch and --max-len")
+    p.add_argument("--quant", default="none", choices=("none", "fp8", "int4"),
+                   help="weights held quantized, as serve and generate take it: fp8 = the released e4m3 layout "
+                        "with 128x128-block scales; int4 = routed experts in 4 bits with a bf16 scale per 32 "
+                        "inputs (Kimi-K2-Thinking); the rest in --dtype (default none)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32: the params not quantized")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float8"),
+                   help="the latent cache's dtype (default: --dtype)")
+    p.add_argument("--batch", type=int, default=0, help="KV cache rows (decode slots), with --max-len")
+    p.add_argument("--max-len", type=int, default=0, help="KV cache tokens per row, with --batch")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (default 64)")
     p.add_argument("--reserve", type=float, default=0.1,
                    help="fraction of each chip's memory kept free for activations and temporaries (default 0.1)")
+    p.add_argument("--top", type=int, default=5, help="meshes shown by a search (default 5)")
+    p.add_argument("--programs", default="decode,prefill,chunk",
+                   help="with --compile: which of decode, prefill, chunk, decode1, burst (default "
+                        "decode,prefill,chunk)")
+    p.add_argument("--prefill", type=int, default=8192, help="with --compile: prefill chunk tokens (default 8192)")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="with --compile: later prompt chunk tokens, as serve's --prefill-chunk (default 512)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_plan)
     p = sub.add_parser(
         "generate", help="continue a prompt with a checkpoint, streaming the new tokens",

@@ -144,8 +144,7 @@ def _demo(work: pathlib.Path, args) -> int:
         jax.block_until_ready(params)
 
     with step("sharding plan: where the routed experts live, and bytes per device"):
-        _print_plan(cfg, params, devices, plan(cfg, dict(mesh.shape), {None: "bfloat16", "fp8": "float8",
-                                                                       "int4": "int4"}[quant]))
+        _print_plan(cfg, params, devices, plan(cfg, dict(mesh.shape), quant=quant))
 
     tok = KimiTokenizer.from_dir(tok_dir)
     prompts = PROMPTS[:args.batch]

@@ -4,6 +4,9 @@ import os
 import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The simulated devices are CPU ones; the test environment also has libtpu (for the TPU compile checks), which
+# without this would try to start a TPU in every process (and log warnings when there is none).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 

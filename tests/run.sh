@@ -39,6 +39,7 @@ oracle_env="$cache/oracle-$(sha1sum tests/oracle/requirements.txt | cut -c1-12)"
 build "$oracle_env" "$py311" -r tests/oracle/requirements.txt
 export K2JAX_ORACLE_PYTHON="$oracle_env/bin/python"
 export K2JAX_REQUIRE_ORACLE=1
+export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile checks (tests/test_aot.py) must run
 
 set +e
 "$main_env/bin/python" -m pytest --durations=15 "$@"

@@ -304,10 +304,10 @@ def test_held_not_expanded_and_bytes_match_plan(converted, dtype, quant):
     attn = p["moe_layers"]["self_attn"]["q_b_proj"]
     assert isinstance(attn, QuantizedWeight) if quant == "fp8" else attn.dtype == jnp.bfloat16
     on, total = device_bytes(p, jax.devices()[0])
-    want = plan(cfg, "expert=4,tensor=2", {"fp8": "float8", "int4": "int4"}[quant])
+    want = plan(cfg, "expert=4,tensor=2", quant=quant)
     assert total == pytest.approx(want.total, rel=0.01)
     assert on == pytest.approx(want.per_device, rel=0.01)
-    bf16 = plan(cfg, "expert=4,tensor=2", "bfloat16")
+    bf16 = plan(cfg, "expert=4,tensor=2")
     assert want.total < (0.62 if quant == "fp8" else 0.75) * bf16.total  # (tiny dims: norms weigh more)
 
 

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax import K2Config, K2Model, abstract_params, init_params, param_axes
 from k2jax.cli import main as cli_main
+from k2jax.inference.cache import init_cache
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.moe import moe_dense
 from k2jax.plan import plan
@@ -114,7 +115,7 @@ def test_exchanges_equal_dense(spec, mode, capacity):
 def test_plan_per_device_bytes_match_the_placed_arrays(model_and_params):
     spec = "data=2,expert=2,tensor=2"
     mesh = make_mesh(spec)
-    p = plan(TINY, spec, "float32", batch=4, max_len=16)
+    p = plan(TINY, spec, dtype="float32", batch=4, max_len=16)
     # What the devices really hold once the params are placed, and one copy times each tensor's replication.
     held = one_copy_x_replication = 0
     placed = jax.device_put(model_and_params[0], param_shardings(TINY, mesh))
@@ -122,13 +123,15 @@ def test_plan_per_device_bytes_match_the_placed_arrays(model_and_params):
         held += sum(s.data.nbytes for s in a.addressable_shards)
         distinct = {tuple((i.start, i.stop) for i in idx) for idx in a.sharding.devices_indices_map(a.shape).values()}
         one_copy_x_replication += a.nbytes * 8 / len(distinct)
-    params_rows = [r for r in p.rows if not r[0].startswith("KV cache")]
+    params_rows = [r for r in p.rows if not r[0].startswith(("KV cache", "sampling state"))]
     assert sum(r[1] for r in params_rows) * p.devices == held == one_copy_x_replication
     assert sum(r[2] for r in params_rows) == sum(a.nbytes for a in jax.tree_util.tree_leaves(placed))
-    # KV cache: 2 tensors per layer, batch split over data only (replicated over expert and tensor).
+    # KV cache: the pool the runtime makes, split over the batch's axes (data, expert; not tensor).
     kv = [r for r in p.rows if r[0].startswith("KV cache")][0]
     assert kv[2] == TINY.num_hidden_layers * 4 * 16 * (TINY.kv_lora_rank + TINY.qk_rope_head_dim) * 4
-    assert kv[1] * p.devices == kv[2] * 4
+    cache = init_cache(TINY, 4, 16, "float32", mesh=mesh)
+    pool = [s.data.nbytes for a in jax.tree_util.tree_leaves(cache.pages) for s in a.addressable_shards]
+    assert kv[1] * p.devices == sum(pool)
     assert p.per_device * p.devices == pytest.approx(p.total * p.replication)
 
 
@@ -142,7 +145,8 @@ def test_plan_command_full_kimi_k2(capsys):
     # 384 experts on expert=5: replicated, and the plan says so and what it costs
     assert cli_main(["plan", str(CONFIGS / "kimi_k2.json"), "--mesh", "expert=5"]) == 0
     out = capsys.readouterr().out
-    assert "3 params fall back" in out and "moe_layers.mlp.experts.gate_proj" in out
+    # the dense and shared MLPs too: their hidden dims (18432, 2048) split over expert as well
+    assert "9 params fall back" in out and "moe_layers.mlp.experts.gate_proj" in out
     assert f"fallback cost: +{experts_bytes * 4 / 5 / 2**40:.3g} TiB per device" in out  # 1.48 TiB
 
 

@@ -171,7 +171,7 @@ def test_plan_bytes_equal_a_sharded_load(converted, name, spec):
         assert a.dtype in (jnp.bfloat16, jnp.float32)
         for s in a.addressable_shards:
             per_device[s.device] += s.data.nbytes
-    p = plan(cfg, spec, "bfloat16")
+    p = plan(cfg, spec)
     assert p.fallbacks and {f.name for f in p.fallbacks} == {f.name for f in fallbacks(cfg, dict(mesh.shape))}
     assert len(set(per_device.values())) == 1  # even over the axes that divide: every device holds the same
     assert next(iter(per_device.values())) == pytest.approx(p.per_device, rel=0.01)

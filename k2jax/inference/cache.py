@@ -24,6 +24,7 @@ from k2jax.ops.paged import PagedCache, batch_axes
 
 KV_DTYPES = ("bfloat16", "float32", "float8")
 DEFAULT_PAGE_SIZE = 64
+TPU_LANE = 128  # on a TPU each token's values are padded to a multiple of this (k2jax.ops.paged)
 
 
 def groups(cfg: K2Config) -> list[tuple[str, int]]:
@@ -37,21 +38,38 @@ def storage_dtype(kv_dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float8_e4m3fn if str(kv_dtype) == "float8" else kv_dtype)
 
 
-def kv_bytes_per_token(cfg: K2Config, kv_dtype="bfloat16") -> int:
-    """Bytes one token holds in the cache over all layers: layers x (kv_lora_rank + qk_rope_head_dim) values,
-    plus two float32 scales per layer for float8. The one place KV bytes are counted (k2jax.plan too)."""
+def lane(mesh=None) -> int:
+    """The multiple a pool pads each token's values to: TPU_LANE on TPU devices (the mesh's, or the default
+    backend's without one), else 1 (no padding)."""
+    if mesh is not None and getattr(mesh, "devices", None) is not None:
+        platform = np.asarray(mesh.devices).flat[0].platform
+    else:
+        platform = jax.default_backend()
+    return TPU_LANE if platform == "tpu" else 1
+
+
+def token_width(cfg: K2Config, lane: int = 1) -> int:
+    """Values per token and layer in a pool: kv_lora_rank + qk_rope_head_dim, rounded up to `lane`."""
+    C = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return -(-C // lane) * lane
+
+
+def kv_bytes_per_token(cfg: K2Config, kv_dtype="bfloat16", lane: int = 1) -> int:
+    """Bytes one token holds in the cache over all layers: layers x (kv_lora_rank + qk_rope_head_dim) values
+    (rounded up to `lane`: a TPU pool's, see `lane`), plus two float32 scales per layer for float8. The one
+    place KV bytes are counted (k2jax.plan too)."""
     dt = storage_dtype(kv_dtype)
-    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dt.itemsize
+    per_layer = token_width(cfg, lane) * dt.itemsize
     if dt == jnp.float8_e4m3fn:
         per_layer += 2 * 4
     return cfg.num_hidden_layers * per_layer
 
 
-def pool_shapes(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16"):
-    """(pages, scales) as jax.ShapeDtypeStruct trees: {group: [L, A, Y, R + P]} and, for float8,
-    {group: [L, A, Y, 2]} float32 (else {})."""
+def pool_shapes(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16", lane: int = 1):
+    """(pages, scales) as jax.ShapeDtypeStruct trees: {group: [L, A, Y, R + P rounded up to lane]} and, for
+    float8, {group: [L, A, Y, 2]} float32 (else {})."""
     dt = storage_dtype(kv_dtype)
-    C = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    C = token_width(cfg, lane)
     pages = {g: jax.ShapeDtypeStruct((n, num_pages, page_size, C), dt) for g, n in groups(cfg)}
     scales = ({g: jax.ShapeDtypeStruct((n, num_pages, page_size, 2), jnp.float32) for g, n in groups(cfg)}
               if dt == jnp.float8_e4m3fn else {})
@@ -82,12 +100,12 @@ def data_shards(mesh, rows: int) -> int:
 
 def empty_pool(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16", mesh=None, rows: int = 1):
     """An all-zero pool of `num_pages` pages (a multiple of the shard count), placed for batches of `rows`
-    rows on `mesh` -> (pages, scales)."""
+    rows on `mesh` -> (pages, scales); each token's values padded as `lane(mesh)` says."""
     shards = data_shards(mesh, rows)
     if num_pages % shards:
         raise ValueError(f"a pool of {num_pages} pages does not split over {shards} data-parallel shards")
     sh = pool_sharding(mesh, rows)
-    pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype)
+    pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
 
     def zeros(s):
         return jnp.zeros(s.shape, s.dtype, device=sh)
@@ -107,7 +125,8 @@ def init_cache(cfg: K2Config, batch: int, max_len: int, kv_dtype="bfloat16", pag
     row = np.arange(batch)[:, None]
     table = ((row // per_shard) * local + 1 + (row % per_shard) * W + np.arange(W)[None, :]).astype(np.int32)
     return PagedCache(pages, scales, _put(table, mesh, batch), _put(np.zeros(batch, np.int32), mesh, batch),
-                      cfg.qk_rope_head_dim, () if mesh is None else batch_axes(batch, mesh))
+                      cfg.qk_rope_head_dim, () if mesh is None else batch_axes(batch, mesh),
+                      pad=token_width(cfg, lane(mesh)) - token_width(cfg))
 
 
 def _put(x, mesh, rows):

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.inference import sampling
-from k2jax.inference.cache import empty_pool, rows_sharding
+from k2jax.inference.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
 from k2jax.nn.model import K2Model
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.sharding import per_shard, split_axes, use_mesh
@@ -62,10 +62,14 @@ class Runner:
     """The pool of `num_pages` pages of `page_size` tokens ({group: [L, A, Y, R + P]}, kv_dtype as
     k2jax.inference.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
     on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
-    one step. The params stay the caller's (placed on the mesh already, or on one device)."""
+    one step. The params stay the caller's (placed on the mesh already, or on one device).
+
+    abstract=True: nothing is allocated; the state is jax.ShapeDtypeStructs with their shardings
+    (`state_shapes`) and the params may be too, for `lower(shape).compile()` ahead of time, e.g. for a TPU
+    topology from a CPU host (k2jax.aot). Such a runner cannot `step`."""
 
     def __init__(self, model: K2Model, params, *, slots: int, num_pages: int, page_size: int, kv_dtype=None,
-                 mesh=None):
+                 mesh=None, abstract: bool = False):
         self.model, self.params, self.mesh = model, params, mesh
         self.cfg = model.cfg
         self.slots, self.page_size = slots, page_size
@@ -75,6 +79,11 @@ class Runner:
         if num_pages % self.shards:
             raise ValueError(f"num_pages {num_pages} must be a multiple of the {self.shards} data-parallel shards")
         self.num_pages = num_pages
+        self.pad = token_width(self.cfg, lane(mesh)) - token_width(self.cfg)  # a TPU pool's (k2jax.ops.paged)
+        self._compiled: dict[StepShape, object] = {}
+        if abstract:
+            self.state = state_shapes(self.cfg, slots, num_pages, page_size, self.kv_dtype, mesh)
+            return
         with self._context():
             pages, scales = empty_pool(self.cfg, num_pages, page_size, self.kv_dtype, mesh, slots)
             sh = rows_sharding(mesh, slots)
@@ -82,7 +91,6 @@ class Runner:
             self.state = {"pages": pages, "scales": scales,
                           "counts": jnp.zeros((slots, V), jnp.int32, device=sh),
                           "seen": jnp.zeros((slots, V), bool, device=sh)}
-        self._compiled: dict[StepShape, object] = {}
 
     def _context(self):
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
@@ -92,7 +100,7 @@ class Runner:
         B, T = batch["tokens"].shape
         count_B = batch["count"]
         cache = PagedCache(state["pages"], state["scales"], batch["table"], batch["lengths"],
-                           self.cfg.qk_rope_head_dim, self.shard_axes, read_pages)
+                           self.cfg.qk_rope_head_dim, self.shard_axes, read_pages, self.pad)
         valid_BT = jnp.arange(T)[None, :] < count_B[:, None]
         logits_BV, cache = self.model.apply({"params": params}, batch["tokens"], None, valid_BT, cache,
                                             jnp.maximum(count_B - 1, 0))
@@ -138,20 +146,25 @@ class Runner:
         row = NamedSharding(self.mesh, PartitionSpec(axes or None))
         return jax.tree.map(lambda _: row, host_batch(shape, self.cfg.vocab_size))
 
+    def batch_shapes(self, shape: StepShape) -> dict:
+        """The step's inputs for `shape` (host_batch's tree) as jax.ShapeDtypeStructs, with the shardings the
+        step takes them in on a mesh."""
+        batch = host_batch(shape, self.cfg.vocab_size)
+        sh = self._shardings(shape)
+        if sh is None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, sh)
+
     def lower(self, shape: StepShape, params=None, state=None):
         """The step of `shape` lowered (not compiled) on abstract or concrete arguments."""
         params = self.params if params is None else params
         state = self.state if state is None else state
-        batch = host_batch(shape, self.cfg.vocab_size)
-        sh = self._shardings(shape)
-        if sh is not None:
-            batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, sh)
-        # The state comes back laid out as it went in (one executable serves every step); the outputs are
-        # small and replicated.
-        out = None
-        if self.mesh is not None:
-            out = (jax.tree.map(lambda x: x.sharding, state), NamedSharding(self.mesh, PartitionSpec()))
-        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), out_shardings=out)
+        batch = self.batch_shapes(shape)
+        # On a mesh the state comes back placed as it went in (else the compiler may choose another
+        # placement, which the next step's executable would not accept) and the sampled outputs replicated.
+        out = {} if self.mesh is None else {"out_shardings": (jax.tree.map(lambda x: x.sharding, state),
+                                                              NamedSharding(self.mesh, PartitionSpec()))}
+        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), **out)
         with self._context():
             return fn.lower(params, state, batch)
 
@@ -186,6 +199,23 @@ class Runner:
             batch = jax.device_put(batch, sh)
         self.state, out = self._compiled[shape](self.params, self.state, batch)
         return out
+
+
+def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
+    """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
+    {"pages", "scales": the pool (k2jax.inference.cache.pool_shapes), "counts" [slots, V] int32, "seen"
+    [slots, V] bool}."""
+    pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
+    pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)
+
+    def placed(s, sharding):
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+
+    V = cfg.vocab_size
+    return {"pages": jax.tree.map(lambda s: placed(s, pool), pages),
+            "scales": jax.tree.map(lambda s: placed(s, pool), scales),
+            "counts": jax.ShapeDtypeStruct((slots, V), jnp.int32, sharding=rows),
+            "seen": jax.ShapeDtypeStruct((slots, V), jnp.bool_, sharding=rows)}
 
 
 def _add_counts(counts_BV, tokens_BT, add_BT):

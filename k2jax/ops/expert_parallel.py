@@ -174,6 +174,9 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
                            out_dtype=jnp.float32)
     R, K = lid_RK.shape
     e = gate_eDF.shape[0]
+    chunk = dequant_chunk(gate_eDF, K)
+    if chunk < e:
+        return _ragged_in_chunks(x_RD, lid_RK, w_RK, (gate_eDF, up_eDF, down_eFD), chunk)
     M = R * min(K, e)  # a row's K experts are distinct: at most min(K, e) of them are here
     flat = lid_RK.reshape(-1)
     order_M = jnp.argsort(flat, stable=True)[:M]  # this device's slots first, grouped by expert
@@ -182,6 +185,36 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
     y_MD = _ragged_swiglu(x_RD[order_M // K], sizes_e, gate_eDF, up_eDF, down_eFD)  # rows past Σ sizes: 0
     w_M = jnp.where(e_sorted_M < e, w_RK.reshape(-1)[order_M], 0.0)
     return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
+
+
+def dequant_chunk(w_eDF, K: int) -> int:
+    """How many of a device's e experts the ragged path dequantizes at once: all of them for plain weights or
+    e <= K; otherwise the largest divisor of e that is at most K (a row's top-k). XLA:TPU's ragged_dot takes
+    no producer into its operands, so a QuantizedWeight is dequantized into a buffer of its own first: in
+    chunks, no buffer exceeds one token's chosen experts (24 local experts of Kimi K2 on expert=16 would
+    otherwise make 2 GB of bf16 and 4 GB of float32 copies per layer)."""
+    e = w_eDF.shape[0]
+    if not is_quantized(w_eDF) or e <= K:
+        return e
+    return max(d for d in range(1, K + 1) if e % d == 0)
+
+
+def _ragged_in_chunks(x_RD, lid_RK, w_RK, ws, chunk: int):
+    """local_experts' ragged path over the experts in chunks of `chunk` (a scan: one chunk's weights
+    dequantized at a time); each chunk's call sees the other chunks' slots as held elsewhere."""
+    e = ws[0].shape[0]
+    n = e // chunk
+    stacked = tuple(jax.tree.map(lambda a: a.reshape(n, chunk, *a.shape[1:]), w) for w in ws)
+
+    def one(acc_RD, xs):
+        c, w = xs
+        lid = lid_RK - c * chunk
+        lid = jnp.where((lid >= 0) & (lid < chunk), lid, chunk)
+        return acc_RD + local_experts(x_RD, lid, w_RK, *w, impl="ragged"), None
+
+    acc_RD, _ = jax.lax.scan(one, _zeros(x_RD.shape, jnp.float32, x_RD, lid_RK, w_RK, *ws),
+                             (jnp.arange(n), stacked))
+    return acc_RD
 
 
 def _weight_spec(w, spec, mesh):

@@ -9,6 +9,12 @@ is copied to decode it. Page 0 (of each shard's part of the pool, below) is the 
 row does not use point there, and the new tokens of padding positions are written there; nothing reads it
 unmasked.
 
+On a TPU each token's C values are padded with zeros to a multiple of 128 (`pad` trailing columns): a pool
+whose minor dim is 576 is laid out pages-minor by the TPU compiler once it holds more than about a thousand
+pages (128-wide tiles would pad 576 to 640 in the natural layout), and every step then copied the whole pool
+three times to and from the layouts its gathers and scatters use (measured by the ahead-of-time compile,
+k2jax.aot). A [.., 640] pool keeps its natural layout at any size, in the same bytes that layout takes.
+
 A float8 pool holds e4m3 values with a float32 scale per token and part (ckv, k_pe): scales [L, A, Y, 2],
 amax / 448 each. Reads dequantize only the pages they gather.
 
@@ -40,7 +46,7 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """pages {group: [L, A, Y, C]} (bf16 / f32 / e4m3); scales {group: [L, A, Y, 2]} float32 for an e4m3
+    """pages {group: [L, A, Y, C + pad]} (bf16 / f32 / e4m3); scales {group: [L, A, Y, 2]} float32 for an e4m3
     pool, else {}; page_table [B, W] int32 (global page ids); lengths [B] int32; rope_dim P and shard_axes
     (the mesh axes the pool's pages are split over) static."""
 
@@ -51,6 +57,7 @@ class PagedCache:
     rope_dim: int = dataclasses.field(metadata=dict(static=True))
     shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     read_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    pad: int = dataclasses.field(default=0, metadata=dict(static=True))  # zero columns after each token's C
 
     @property
     def page_size(self) -> int:
@@ -71,12 +78,13 @@ class PagedCache:
         """Layer `layer` (a traced index into the group's stack) of every row's cached tokens ->
         (ckv [B, S, R], k_pe [B, S, P] in `dtype`, valid [B, S] bool: position s < lengths[b])."""
         pages, scales = self.pages[group], self.scales.get(group)
-        R = pages.shape[-1] - self.rope_dim
+        C = pages.shape[-1] - self.pad
+        R = C - self.rope_dim
 
         def local(first, table_BW, layer, pages, *scales):
             B, W = table_BW.shape
             table_BW = table_BW - first
-            x_BWYC = pages[layer, table_BW]  # a gather: reads the rows' pages only, not the layer's pool
+            x_BWYC = pages[layer, table_BW][..., :C]  # a gather: reads the rows' pages only, not the layer's pool
             if not scales:
                 x_BWYC = x_BWYC.astype(dtype)
             else:
@@ -106,6 +114,8 @@ class PagedCache:
                 x_LBTC, s_LBT2 = _quantize(x_LBTC, R)
             else:
                 x_LBTC, s_LBT2 = x_LBTC.astype(pages[g].dtype), None
+            if self.pad:
+                x_LBTC = jnp.pad(x_LBTC, [(0, 0)] * 3 + [(0, self.pad)])
 
             def local(first, table_BW, lengths_B, count_B, x_LBTC, pages, *quant):
                 T = x_LBTC.shape[2]

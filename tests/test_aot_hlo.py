@@ -1,0 +1,177 @@
+"""Reading optimized HLO text (k2jax.aot.hlo): shapes and tiled layouts, loops and their trip counts, the
+collectives with their bytes, and which buffers are a weight's data. On hand-written modules in the TPU
+compiler's text form (no TPU needed), and on programs XLA:CPU compiles here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k2jax.aot import hlo
+
+# A layer loop of 60 trips (counter from 0, condition `i < 60`) holding a loop whose trip count is a loop
+# value (known at run time only), each body with collectives; a weight (parameter 0, uint8 int4 values and
+# parameter 1, its scales) sliced per layer and dequantized in a fusion, and tokens (parameter 2).
+MODULE = """HloModule jit_step, entry_computation_layout={(u8[60,24,7168,1024]{3,2,1,0:T(32,128)(4,1)}, bf16[60,24,224,2048]{3,2,1,0:T(8,128)(2,1)}, bf16[16,7168]{1,0:T(8,128)(2,1)}, bf16[60,2049,64,576]{3,2,1,0:T(8,128)(2,1)})->bf16[16,7168]{1,0:T(8,128)(2,1)}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%dequant (p0: u8[24,7168,1024], p1: bf16[24,224,2048]) -> bf16[24,7168,2048] {
+  %p0 = u8[24,7168,1024]{2,1,0} parameter(0)
+  %p1 = bf16[24,224,2048]{2,1,0} parameter(1)
+  %c = bf16[24,7168,1024]{2,1,0} convert(%p0)
+  %r = bf16[24,7168,2048]{2,1,0} concatenate(%c, %c), dimensions={2}
+  %b = bf16[24,7168,2048]{2,1,0} broadcast(%p1), dimensions={0,1,2}
+  ROOT %m = bf16[24,7168,2048]{2,1,0} multiply(%r, %b)
+}
+
+%inner_cond (q: (s32[], s32[], bf16[16,7168])) -> pred[] {
+  %q = (s32[], s32[], bf16[16,7168]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %n = s32[] get-tuple-element(%q), index=1
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%inner_body (q: (s32[], s32[], bf16[16,7168])) -> (s32[], s32[], bf16[16,7168]) {
+  %q = (s32[], s32[], bf16[16,7168]) parameter(0)
+  %i = s32[] get-tuple-element(%q), index=0
+  %n = s32[] get-tuple-element(%q), index=1
+  %x = bf16[16,7168]{1,0} get-tuple-element(%q), index=2
+  %a2a = bf16[16,7168]{1,0} all-to-all(%x), channel_id=3, replica_groups=[1,16]<=[16], dimensions={0}
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], s32[], bf16[16,7168]) tuple(%j, %n, %a2a)
+}
+
+%layer_cond (p: (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168])) -> pred[] {
+  %p = (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) parameter(0)
+  %k = s32[] constant(60)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %k), direction=LT
+}
+
+%layer_body (p: (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168])) -> (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) {
+  %p = (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = u8[60,24,7168,1024]{3,2,1,0} get-tuple-element(%p), index=1
+  %s = bf16[60,24,224,2048]{3,2,1,0} get-tuple-element(%p), index=2
+  %x = bf16[16,7168]{1,0} get-tuple-element(%p), index=3
+  %zero = s32[] constant(0)
+  %wl = u8[1,24,7168,1024]{3,2,1,0} dynamic-slice(%w, %i, %zero, %zero, %zero), dynamic_slice_sizes={1,24,7168,1024}
+  %sl = bf16[1,24,224,2048]{3,2,1,0} dynamic-slice(%s, %i, %zero, %zero, %zero), dynamic_slice_sizes={1,24,224,2048}
+  %wb = u8[24,7168,1024]{2,1,0} bitcast(%wl)
+  %sb = bf16[24,224,2048]{2,1,0} bitcast(%sl)
+  %deq = bf16[24,7168,2048]{2,1,0} fusion(%wb, %sb), kind=kLoop, calls=%dequant
+  %ag = bf16[256,7168]{1,0} all-gather(%x), channel_id=1, replica_groups=[1,16]<=[16], dimensions={0}
+  %ar = f32[16,7168]{1,0} all-reduce(%x), channel_id=2, replica_groups=mesh['expert'=16] {'expert'}, use_global_device_ids=true, to_apply=%add
+  %bad = bf16[24,7168,2048]{2,1,0} all-reduce(%deq), channel_id=4, replica_groups={}, to_apply=%add
+  %rounds = s32[] constant(3)
+  %init = (s32[], s32[], bf16[16,7168]) tuple(%zero, %rounds, %x)
+  %loop = (s32[], s32[], bf16[16,7168]) while(%init), condition=%inner_cond, body=%inner_body
+  %y = bf16[16,7168]{1,0} get-tuple-element(%loop), index=2
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) tuple(%j, %w, %s, %y)
+}
+
+ENTRY %main (w: u8[60,24,7168,1024], s: bf16[60,24,224,2048], x: bf16[16,7168], pool: bf16[60,2049,64,576]) -> bf16[16,7168] {
+  %w = u8[60,24,7168,1024]{3,2,1,0:T(32,128)(4,1)} parameter(0)
+  %s = bf16[60,24,224,2048]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %x = bf16[16,7168]{1,0:T(8,128)(2,1)} parameter(2)
+  %pool = bf16[60,2049,64,576]{3,2,1,0:T(8,128)(2,1)} parameter(3)
+  %zero = s32[] constant(0)
+  %init = (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) tuple(%zero, %w, %s, %x)
+  %layers = (s32[], u8[60,24,7168,1024], bf16[60,24,224,2048], bf16[16,7168]) while(%init), condition=%layer_cond, body=%layer_body
+  %copy = bf16[60,2049,64,576]{1,3,2,0} copy(%pool)
+  ROOT %out = bf16[16,7168]{1,0} get-tuple-element(%layers), index=3
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def module():
+    return hlo.parse(MODULE)
+
+
+def test_shapes_layouts_and_tile_padding():
+    a = hlo.parse_array("bf16[60,2049,64,576]{3,2,1,0:T(8,128)(2,1)}")
+    assert a.dims == (60, 2049, 64, 576) and a.minor_to_major == (3, 2, 1, 0) and a.tiles == ((8, 128), (2, 1))
+    assert a.nbytes == 60 * 2049 * 64 * 576 * 2
+    assert a.padded_bytes == 60 * 2049 * 64 * 640 * 2  # the minor dim in 128-wide tiles: 576 -> 640
+    # the same array laid out pages-minor: 2049 -> 2176 pages, 576 a multiple of 8
+    b = hlo.parse_array("bf16[60,2049,64,576]{1,3,2,0:T(8,128)(2,1)}")
+    assert b.padded_bytes == 60 * 2176 * 64 * 576 * 2
+    assert hlo.parse_array("pred[1,163840]{1,0:T(4,128)(4,1)}").padded_bytes == 4 * 163840
+    assert hlo.parse_array("bf16[7168]{0:T(1024)(128)(2,1)}").padded_bytes == 7168 * 2
+    assert hlo.parse_array("f32[3]").padded_bytes == 12  # no layout: as is
+
+
+def test_entry_parameters_loops_and_trip_counts(module):
+    assert module.entry == "main"
+    assert [str(a) for a in module.params()] == ["u8[60,24,7168,1024]", "bf16[60,24,224,2048]", "bf16[16,7168]",
+                                                  "bf16[60,2049,64,576]"]
+    runs, loops = hlo.executions(module)
+    assert {(lp.name, lp.trips) for lp in loops} == {("layers", 60), ("loop", None)}
+    assert runs["layer_body"] == 60 and runs["inner_body"] == 60  # a run-time trip count: counted once
+    assert "add" not in runs  # a reducer is no computation that runs per se
+
+
+def test_collectives_by_kind_with_bytes_and_runs(module):
+    summary = hlo.collective_summary(module)
+    assert summary["all-gather"] == {"ops": 1, "runs": 60, "bytes": 60 * 256 * 7168 * 2}
+    assert summary["all-reduce"] == {"ops": 2, "runs": 120, "bytes": 60 * (16 * 7168 * 4 + 24 * 7168 * 2048 * 2)}
+    assert summary["all-to-all"] == {"ops": 1, "runs": 60, "bytes": 60 * 16 * 7168 * 2}
+    groups = {c.name: c.groups for c in hlo.collectives(module)}
+    assert groups["ar"] == "mesh['expert'=16] {'expert'}" and groups["ag"] == "[1,16]<=[16]"
+
+
+def test_provenance_follows_weights_through_loops_slices_and_fusions(module):
+    prov = hlo.Provenance(module, {0, 1})
+    assert prov.of("layer_body", "wl") == {0}
+    assert prov.of("layer_body", "deq") == {0, 1}  # a dequantization: values and scales, nothing else
+    assert prov.of("layer_body", "ag") == frozenset()  # tokens
+    assert prov.of("layer_body", "bad") == {0, 1}  # an all-reduce of a weight's data
+    assert prov.of("inner_body", "a2a") == frozenset()
+    assert prov.of("main", "copy") == frozenset()  # the pool is not one of the weights asked about
+    assert hlo.Provenance(module, {3}).of("main", "copy") == {3}
+    big = {(c, i) for c, i, _ in hlo.large_float_buffers(module, 100_000_000)}
+    assert ("layer_body", "deq") in big and ("main", "copy") in big
+    assert ("layer_body", "deq") not in {(c, i) for c, i, _ in hlo.large_float_buffers(
+        module, 100_000_000, exclude=[hlo.parse_array("bf16[24,7168,2048]")])}
+    # what a fusion computes is no buffer of its own
+    assert "dequant" in hlo.fused_computations(module)
+    assert not any(c == "dequant" for c, _, _ in hlo.large_float_buffers(module, 1))
+
+
+def test_on_a_program_xla_compiles_here():
+    """XLA:CPU's optimized HLO of a scan over stacked int8 weights, dequantized per layer (the data of the
+    weights) and multiplied with tokens (not their data): the parser finds the loop's trip count, and the
+    provenance tells the weight's dequantized copy from the matmul's result."""
+    L, D, F = 5, 64, 256
+
+    def step(w_LDF, s_LF, x_BD):
+        def layer(x, ws):
+            w, s = ws
+            deq = w.astype(jnp.float32) * s[None, :]  # a dequantized copy of one layer
+            return jnp.tanh(x @ deq)[:, :D], None
+        return jax.lax.scan(layer, x_BD, (w_LDF, s_LF))[0]
+
+    args = (jax.ShapeDtypeStruct((L, D, F), jnp.int8), jax.ShapeDtypeStruct((L, F), jnp.float32),
+            jax.ShapeDtypeStruct((8, D), jnp.float32))
+    text = jax.jit(step).lower(*args).compile().as_text()
+    module = hlo.parse(text)
+    _, loops = hlo.executions(module)
+    assert [lp.trips for lp in loops] == [L]
+    prov = hlo.Provenance(module, {0, 1})
+    comps = module.computations
+    weighty = [(c, i.op) for c, comp in comps.items() for i in comp.instructions.values()
+               if i.op not in ("parameter", "get-tuple-element", "tuple") and prov.of(c, i.name)
+               and any(a.dtype == "f32" and a.elements >= D * F for a in i.shapes)]
+    assert weighty, text  # the per-layer dequantized weight is found as weight data ...
+    dots = [(c, i.name) for c, comp in comps.items() for i in comp.instructions.values() if i.op == "dot"]
+    assert dots and not any(prov.of(c, n) for c, n in dots)  # ... and a matmul with tokens is not
+    np.testing.assert_equal(len(module.params()), 3)
