@@ -9,21 +9,21 @@ import pytest
 
 from k2jax.ops.expert_parallel import dequant_chunk, local_experts, moe_expert_parallel
 from k2jax.ops.moe import moe_dense
-from k2jax.ops.quant import dequantize, quantize
+from k2jax.ops.quant import dequantize_weight, quantize_weight
 from k2jax.sharding import make_mesh, use_mesh
 from tests.test_moe import experts, routing
 
 
 def quantized_experts(key, E, D, F, fmt):
     plain = experts(key, E, D, F)
-    return tuple(quantize(np.asarray(w), fmt, lead_ndim=1) for w in plain)
+    return tuple(quantize_weight(np.asarray(w), fmt, lead_ndim=1) for w in plain)
 
 
 def test_chunk_sizes():
-    q = quantize(np.zeros((24, 64, 32), np.float32), "int4", lead_ndim=1)
+    q = quantize_weight(np.zeros((24, 64, 32), np.float32), "int4", lead_ndim=1)
     assert dequant_chunk(q, 8) == 8  # Kimi K2 on expert=16: 24 local experts, top-8
-    assert dequant_chunk(quantize(np.zeros((12, 64, 32), np.float32), "int4", lead_ndim=1), 8) == 6
-    assert dequant_chunk(quantize(np.zeros((6, 64, 32), np.float32), "int4", lead_ndim=1), 8) == 6  # all at once
+    assert dequant_chunk(quantize_weight(np.zeros((12, 64, 32), np.float32), "int4", lead_ndim=1), 8) == 6
+    assert dequant_chunk(quantize_weight(np.zeros((6, 64, 32), np.float32), "int4", lead_ndim=1), 8) == 6  # all at once
     assert dequant_chunk(jnp.zeros((24, 64, 32)), 8) == 24  # plain weights: no dequantization, no chunks
 
 
@@ -36,7 +36,7 @@ def test_local_experts_in_chunks_equal_the_dequantized_weights(fmt):
     x = jax.random.normal(jax.random.fold_in(key, 1), (R, D))
     idx, wt = routing(jax.random.fold_in(key, 2), R, E + 3, K)  # ids >= E: held elsewhere
     got = jax.jit(lambda x, i, t, *w: local_experts(x, i, t, *w, impl="ragged"))(x, idx, wt, *w)
-    plain = [dequantize(q, jnp.float32) for q in w]
+    plain = [dequantize_weight(q, jnp.float32) for q in w]
     want = jax.jit(lambda x, i, t, *w: local_experts(x, i, t, *w, impl="ragged"))(x, idx, wt, *plain)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     held = jnp.where(idx < E, idx, 0)
@@ -51,7 +51,7 @@ def test_expert_parallel_over_quantized_chunks_equals_dense(spec, mode):
     w = quantized_experts(key, E, D, F, "int4")
     x = jax.random.normal(jax.random.fold_in(key, 1), (T, D))
     idx, wt = routing(jax.random.fold_in(key, 2), T, E, K)
-    want = moe_dense(x, idx, wt, *[dequantize(q, jnp.float32) for q in w])
+    want = moe_dense(x, idx, wt, *[dequantize_weight(q, jnp.float32) for q in w])
     with use_mesh(make_mesh(spec)):
         got = jax.jit(lambda *a: moe_expert_parallel(*a, mode=mode, impl="ragged"))(x, idx, wt, *w)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

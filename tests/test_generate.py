@@ -8,6 +8,7 @@ import pytest
 
 from k2jax import K2Config, K2Model, generate
 from k2jax.inference.generate import PAD_ID, bucket_length
+from k2jax.serving import compiles
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
@@ -57,25 +58,16 @@ def test_greedy_equals_transformers_generate(tmp_path, oracle):
 
 def test_no_compilation_after_first_step_or_for_prompts_in_the_bucket(model_params):
     model, params = model_params
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        seen = []
-        generate(model, params, PROMPTS, NEW, on_token=lambda t, a: seen.append(len(events)))
-        assert len(seen) == NEW and len(set(seen)) == 1, f"compilations during decoding: {seen}"
-        before = len(events)
-        # Other prompt lengths in the same bucket, other sampling settings and seed: nothing compiles.
-        other = [list(range(1, 15)), [9, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-        assert bucket_length(14) == bucket_length(11)
-        generate(model, params, other, NEW, temperature=0.7, top_k=20, top_p=0.9, seed=1, stop_tokens=[3])
-        assert len(events) == before, f"{len(events) - before} compilations for new prompts in the bucket"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    compiles.install()
+    seen = []
+    generate(model, params, PROMPTS, NEW, on_token=lambda t, a: seen.append(compiles.count()))
+    assert len(seen) == NEW and len(set(seen)) == 1, f"compilations during decoding: {seen}"
+    before = compiles.count()
+    # Other prompt lengths in the same bucket, other sampling settings and seed: nothing compiles.
+    other = [list(range(1, 15)), [9, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert bucket_length(14) == bucket_length(11)
+    generate(model, params, other, NEW, temperature=0.7, top_k=20, top_p=0.9, seed=1, stop_tokens=[3])
+    assert compiles.count() == before, f"{compiles.count() - before} compilations for new prompts in the bucket"
 
 
 def test_stop_tokens_and_sampling(model_params):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, generate
-from k2jax.inference.cache import init_cache, shard_count
+from k2jax.inference.cache import data_shards, init_cache
 from k2jax.inference.runner import Runner, StepShape, host_batch
 from k2jax.ops.paged import batch_axes
 from k2jax.placement import param_shardings
@@ -101,7 +101,7 @@ def test_runner_step_logprobs_on_the_mesh_equal_one_device(params, spec):
     mesh = make_mesh(spec)
 
     def run(p, mesh):
-        shards = shard_count(mesh, B)  # each shard: its trash page, then W pages per row (as generate lays it out)
+        shards = data_shards(mesh, B)  # each shard: its trash page, then W pages per row (as generate lays it out)
         per = B // shards
         runner = Runner(K2Model(CFG), p, slots=B, num_pages=shards * (1 + per * W), page_size=Y, kv_dtype="float32",
                         mesh=mesh)

@@ -13,6 +13,7 @@ from k2jax.inference import sampling
 from k2jax.inference.sampling import (MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, default_rows, mark_prompt,
                                       process_logits, sample_rows, selected_cutoff, set_row, sorted_cutoff,
                                       update_counts)
+from k2jax.serving import compiles
 
 SAMPLE = jax.jit(sample_rows)
 PROCESS = jax.jit(process_logits)
@@ -317,24 +318,16 @@ def test_changing_settings_does_not_recompile():
     logits = np.random.RandomState(8).randn(B, V).astype(np.float32)
     counts, prompt = history(B, V)
     fn = jax.jit(sample_rows)
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        jax.block_until_ready(fn(logits, default_rows(B), counts, prompt))
-        before = len(events)
-        assert before >= 1
-        for s in [dict(temperature=0.5, top_k=3), dict(temperature=2.0, top_p=0.5, seed=9, step=4),
-                  dict(repetition_penalty=1.2, min_p=0.3, temperature=1.0, logit_bias={1: 3.0}, top_logprobs=2),
-                  dict(min_tokens=5, stop_ids=[1, 2, 3], frequency_penalty=-1.0, top_k=150, temperature=1.0)]:
-            jax.block_until_ready(fn(logits, rows_for([s] * B), counts, prompt))
-        assert len(events) == before, f"{len(events) - before} compilations for new settings"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    compiles.install()
+    start = compiles.count()
+    jax.block_until_ready(fn(logits, default_rows(B), counts, prompt))
+    before = compiles.count()
+    assert before > start
+    for s in [dict(temperature=0.5, top_k=3), dict(temperature=2.0, top_p=0.5, seed=9, step=4),
+              dict(repetition_penalty=1.2, min_p=0.3, temperature=1.0, logit_bias={1: 3.0}, top_logprobs=2),
+              dict(min_tokens=5, stop_ids=[1, 2, 3], frequency_penalty=-1.0, top_k=150, temperature=1.0)]:
+        jax.block_until_ready(fn(logits, rows_for([s] * B), counts, prompt))
+    assert compiles.count() == before, f"{compiles.count() - before} compilations for new settings"
 
 
 def test_full_vocabulary_batch_runs_and_its_time():
