@@ -40,10 +40,10 @@ def compile_block(mesh_spec: str = "expert=8", tokens: int = 512, config=CONFIG)
     batch = NamedSharding(mesh, P(("data", "fsdp")))
     args += [jax.ShapeDtypeStruct((1, tokens, cfg.hidden_size), jnp.bfloat16, sharding=batch),
              jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=batch),
-             jax.ShapeDtypeStruct((1, tokens, tokens), jnp.bool_, sharding=batch)]
+             jax.ShapeDtypeStruct((1, tokens), jnp.bool_, sharding=batch)]
 
-    def step(params, x, pos, mask):
-        return DecoderBlock(cfg, True, jnp.bfloat16).apply({"params": params}, x, pos, mask)[0]
+    def step(params, x, pos, valid):
+        return DecoderBlock(cfg, True, jnp.bfloat16).apply({"params": params}, x, pos, valid)[0]
 
     t0 = time.perf_counter()
     with use_mesh(mesh):
