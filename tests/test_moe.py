@@ -105,6 +105,8 @@ def layer_stacks(key, L, E, D, F, quant=None):
     (40, 0, None),  # tiles only
 ])
 def test_layer_read_out_of_stacks_equals_dense_of_that_layer(quant, T, capacity, block):
+    """grouped_moe of layer l of every layer's stacks (and of layer l's own arrays, which run in blocks too
+    when quantized) == moe_dense of that layer's experts."""
     L, E, K, D, F = 3, 8, 2, 64, 32
     key = jax.random.PRNGKey(T + 3 * (capacity or 0) + (block or 0))
     stacks, layers = layer_stacks(key, L, E, D, F, quant)
@@ -112,9 +114,12 @@ def test_layer_read_out_of_stacks_equals_dense_of_that_layer(quant, T, capacity,
     idx, wt = routing(jax.random.fold_in(key, 2), T, E, K, skew=2.0)
     run = jax.jit(lambda x, layer: grouped_moe(x, idx, wt, *stacks, layer=layer, capacity=capacity, tile=4,
                                                block=block))
+    own = jax.jit(lambda x, *w: grouped_moe(x, idx, wt, *w, capacity=capacity, tile=4, block=block))
     for layer in range(L):
-        np.testing.assert_allclose(run(x, layer), moe_dense(x, idx, wt, *layers[layer]), atol=1e-5, rtol=1e-5,
-                                   err_msg=f"layer {layer}")
+        want = moe_dense(x, idx, wt, *layers[layer])
+        np.testing.assert_allclose(run(x, layer), want, atol=1e-5, rtol=1e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(own(x, *(w[layer] for w in stacks)), want, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"layer {layer}'s own arrays")
 
 
 @pytest.mark.parametrize("T, capacity", [(29, None), (29, 0), (2, None)])

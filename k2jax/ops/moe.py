@@ -126,16 +126,18 @@ def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
 def default_sizes(M: int, E: int) -> tuple[int, int]:
     """(capacity, tile) for M assignments over E experts, both static.
 
-    Capacity: enough that a balanced load (a trained router's) never overflows, mean + 2 standard deviations
-    of a binomial load rounded up to 8 rows, so the batched matmul does nearly all the work. Tile: the next
-    power of two above the capacity, at most 128 rows, since a skewed load (an untrained router's: on the
-    bench config some experts get 300 rows and others none) overflows by hundreds of rows per hot expert,
-    and each tile copies its expert's weights. Measured on that skew: tiles of 8, 32, 64, 128 rows gave a
-    forward of 957, 580, 523, 502 ms.
+    Capacity: enough that a balanced load (a trained router's) rarely overflows, mean + 2 standard
+    deviations of a binomial load rounded up to 8 rows, so the batched matmul does nearly all the work.
+    Tile: the next power of two above the capacity, at most 32 rows. An untrained router's load is skewed
+    (bench config, random weights: the busiest expert gets 1.5-2.2x the mean, or 3.5-4.7x with the parity
+    tests' random correction bias) and its hot experts overflow by tens to hundreds of rows; each overflowing
+    expert's weights are taken once for all its tiles (see _tile_loop), so small tiles waste little on
+    padding. Measured forwards (bf16, 1 x 512), tiles of 16 / 32 / 64 / 128 rows: 593 / 585 / 608 / 632 ms
+    on the milder skew, 760 / 704 / 663 / 688 ms on the stronger one.
     """
     mean = M / E
     capacity = 8 * -(-int(mean + 2 * mean**0.5) // 8)
-    return capacity, min(128, 1 << (capacity - 1).bit_length())
+    return capacity, min(32, 1 << (capacity - 1).bit_length())
 
 
 # Bytes of expert weights (the three projections, in the dtype the matmuls read) that one step of the blocked
@@ -143,12 +145,12 @@ def default_sizes(M: int, E: int) -> tuple[int, int]:
 BLOCK_BYTES = 4 << 20
 
 
-def experts_per_block(E: int, stacks, dtype, block_bytes: int | None = None) -> int:
-    """The largest divisor of E whose experts' weights (stacks: gate, up, down [L, E, ...], read in `dtype`
+def experts_per_block(E: int, ws, dtype, block_bytes: int | None = None) -> int:
+    """The largest divisor of E whose experts' weights (ws: gate, up, down [..., E, D, F], read in `dtype`
     when quantized) take at most block_bytes (default BLOCK_BYTES); at least 1."""
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
-    per_expert = sum(math.prod(w.shape[2:]) * jnp.dtype(dtype if is_quantized(w) else w.dtype).itemsize
-                     for w in stacks)
+    per_expert = sum(math.prod(w.shape[-2:]) * jnp.dtype(dtype if is_quantized(w) else w.dtype).itemsize
+                     for w in ws)
     n = max(1, min(E, block_bytes // per_expert))
     while E % n:
         n -= 1
@@ -178,6 +180,8 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     path gathers the chosen experts, a tile slices its one expert, and the batched matmul runs in a loop over
     blocks of experts (`block` experts per step, default: as many as fit BLOCK_BYTES), each block sliced out
     of the stack right before its matmul, so that the copy stays in cache and the matmul reads it there.
+    Quantized experts run in blocks too (also one layer's own), each block dequantized right before its
+    matmuls: at most a block of experts is ever dequantized at once.
     """
     E = gate_EDF.shape[0 if layer is None else 1]
     run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
@@ -236,22 +240,28 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
         # refuses a query that does not vary over the manual axes while pad_end_E does.
         starts_n = jnp.arange(n_tiles) * tile
         tile_expert = jnp.minimum(jnp.sum(pad_end_E[None, :] <= starts_n[:, None], axis=1), E - 1)
-        n_active = pad_end_E[-1] // tile
+        tiles_E = padded_E // tile
+        # The experts with tiles, in order (their tiles are consecutive), for the forward's loop over them.
+        run_expert = jnp.argsort((tiles_E == 0).astype(jnp.int32), stable=True).astype(jnp.int32)
+        plan = dict(expert_n=tile_expert, n_active=pad_end_E[-1] // tile, run_expert=run_expert,
+                    n_runs=jnp.sum(tiles_E > 0), first_E=(pad_end_E - padded_E) // tile, tiles_E=tiles_E)
 
     def run(x_TD, ws, layer=None, block=None, out_dtype=None):
         D = x_TD.shape[1]
         x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
         y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
         if C:
-            # One layer's own arrays: one batched matmul reads them in place. A stack: blocks (see above).
-            n = E if layer is None else (block or experts_per_block(E, ws, x_TD.dtype))
+            # One layer's own plain arrays: one batched matmul reads them in place. A stack: blocks (see
+            # above); quantized ones too, each block dequantized in turn (never the whole layer at once).
+            whole = layer is None and not is_quantized(ws[0])
+            n = E if whole else (block or experts_per_block(E, ws, x_TD.dtype))
             y_SD = _blocked_swiglu(x_ext, src_EC, ws, layer, n).reshape(E * C, D)
             # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
             got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
             y_TD = _combine(got_TKD, weight_TK)
         if overflow:
             y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
-            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, tile_expert, n_active, layer, *ws)[:T]
+            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, *ws)[:T]
         return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
     return run
@@ -270,12 +280,26 @@ def _expert_slice(w, layer, start, n: int):
             return jax.lax.dynamic_slice_in_dim(a, start, n)
         return jax.lax.dynamic_slice(a, (layer, start) + (0,) * (a.ndim - 2), (1, n) + a.shape[2:])[0]
 
-    return jax.tree.map(take, w)
+    return jax.tree.map(_as_bytes(take), w)
 
 
 def _expert(w, layer, e):
     """Expert(s) e (an int or an index array) of (layer `layer` of) w."""
-    return jax.tree.map(lambda a: a[_at(layer, e)], w)
+    return jax.tree.map(_as_bytes(lambda a: a[_at(layer, e)]), w)
+
+
+def _as_bytes(take):
+    """take(a), a float8 array taken as its bytes. XLA:CPU runs a slice or gather of float8 on a float16
+    copy of its whole operand: of a whole layer stack of FP8 expert values, hoisted out of the loop over
+    layers (every layer's experts in float16 at once, twice the FP8 bytes). As bytes it holds one uint8 copy
+    of the stack instead. Measured on the bench config's two MoE layers:
+    temp memory of a forward 1 x 512 from 2.5 to 1.5 bf16 layers of experts."""
+    def fn(a):
+        if jnp.dtype(a.dtype).itemsize != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
+            return take(a)
+        return jax.lax.bitcast_convert_type(take(jax.lax.bitcast_convert_type(a, jnp.uint8)), a.dtype)
+
+    return fn
 
 
 def _at(layer, e):
@@ -318,31 +342,44 @@ def _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer):
 
 
 @jax.custom_vjp
-def _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, layer, gate_EDF, up_EDF, down_EFD):
+def _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD):
     """y_ext[src[j]] += w[j] · SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each),
-    with the experts of (layer `layer` of) the weights (see _expert_slice); y float32.
+    with the experts of (layer `layer` of) the weights (see _expert_slice); y float32. plan (ints, see
+    grouped_dispatch): expert_n, n_active; and the experts with tiles, run_expert[:n_runs], each with its
+    tiles first_E[e] .. first_E[e] + tiles_E[e].
 
-    A while loop visits only the active tiles and gathers/scatters their rows itself, so nothing sized by
-    the static tile bound is materialised. Its own backward pass (below) adds each tile's weight gradient
-    into its expert's slot: differentiating the loop directly would add a zero-padded gradient of all
-    experts' weights on every tile. Quantized weights are frozen: no gradient for them (None).
+    Loops visit only the active tiles and gather/scatter their rows themselves, so nothing sized by the
+    static tile bound is materialised: one over the experts with tiles, which takes each expert's weights
+    once (copied on XLA:CPU, dequantized if quantized), and within it one over the expert's tiles. Its own
+    backward pass (below) adds each tile's weight gradient into its expert's slot: differentiating the loop
+    directly would add a zero-padded gradient of all experts' weights on every tile. Quantized weights are
+    frozen: no gradient for them (None).
     """
-    def body(j, y):
-        e, src_C = expert_n[j], src_nC[j]
-        out_CD = _swiglu(x_ext[src_C], *(_expert(w, layer, e) for w in (gate_EDF, up_EDF, down_EFD)))
-        return y.at[src_C].add(out_CD.astype(jnp.float32) * w_nC[j][:, None])
+    f32 = jnp.float32
 
-    return jax.lax.fori_loop(0, n_active, body, y_ext)
+    def per_expert(r, y):
+        e = plan["run_expert"][r]
+        w = [materialize(_expert(ws, layer, e), x_ext.dtype) for ws in (gate_EDF, up_EDF, down_EFD)]
+
+        def per_tile(j, y):
+            src_C = src_nC[j]
+            return y.at[src_C].add(_swiglu(x_ext[src_C], *w).astype(f32) * w_nC[j][:, None])
+
+        first = plan["first_E"][e]
+        return jax.lax.fori_loop(first, first + plan["tiles_E"][e], per_tile, y)
+
+    return jax.lax.fori_loop(0, plan["n_runs"], per_expert, y_ext)
 
 
-def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, layer, gate_EDF, up_EDF, down_EFD):
-    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, layer, gate_EDF, up_EDF, down_EFD)
-    return out, (x_ext, src_nC, w_nC, expert_n, n_active, layer, gate_EDF, up_EDF, down_EFD)
+def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD):
+    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD)
+    return out, (x_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD)
 
 
 def _tile_loop_bwd(res, dy_ext):
-    x_ext, src_nC, w_nC, expert_n, n_active, layer, gate_EDF, up_EDF, down_EFD = res
+    x_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD = res
     f32, dt = jnp.float32, x_ext.dtype
+    expert_n = plan["expert_n"]
 
     def mm(eq, a, b):
         return jnp.einsum(eq, a, b, preferred_element_type=f32)
@@ -375,10 +412,10 @@ def _tile_loop_bwd(res, dy_ext):
     dws = (() if frozen else
            (jnp.zeros_like(gate_EDF, f32), jnp.zeros_like(up_EDF, f32), jnp.zeros_like(down_EFD, f32)))
     init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC)) + (dws or (None, None, None))
-    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
+    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, plan["n_active"], body, init)
     if frozen:
-        return dx_ext, dy_ext, None, dw_nC, None, None, None, None, None, None
-    return (dx_ext, dy_ext, None, dw_nC, None, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
+        return dx_ext, dy_ext, None, dw_nC, None, None, None, None, None
+    return (dx_ext, dy_ext, None, dw_nC, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),
             ddown.astype(down_EFD.dtype))
 
 
