@@ -24,8 +24,9 @@ from common import REPO, median, time_fn  # noqa: F401  (also puts the repo on s
 import jax
 import jax.numpy as jnp
 
-from k2jax import K2Config, K2Model, generate, load_hf, split_experts
+from k2jax import K2Config, K2Model, generate, load_hf
 from k2jax.inference.cache import init_cache, kv_bytes_per_token
+from k2jax.nn.model import expert_views
 from k2jax.testing import prefill_memory, random_params
 
 CONFIGS = os.path.join(REPO, "configs")
@@ -75,10 +76,10 @@ def main():
               f"(= ({c.kv_lora_rank} + {c.qk_rope_head_dim}) x 2), {per_tok / 2**10:.1f} KiB per token; "
               f"per-head K/V would be {naive / per_tok:.1f}x more")
 
-    print("\n== decode step (whole model, one token per sequence), ms: absorbed vs expanded, on the split "
-          "experts layout `k2jax generate` serves from on CPU; last column: absorbed on the stacked layout")
+    print("\n== decode step (whole model, one token per sequence), ms: absorbed vs expanded, with the per-layer "
+          "expert views `k2jax generate` steps with on CPU; last column: absorbed on the stacked params alone")
     stacked = random_params(cfg, jnp.bfloat16, scale=0.05)
-    params = split_experts(stacked)
+    params = expert_views(stacked)
     print(f"{'batch':>5} {'context':>7} {'absorbed':>9} {'expanded':>9} {'exp/abs':>8} {'stacked':>8}")
     for b in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
@@ -113,7 +114,7 @@ def main():
         hf_s = time.perf_counter() - t
         print(f"transformers (float32, eager): {args.new_tokens / hf_s:8.1f} tokens/s overall ({hf_s:.2f} s)")
         for dtype in (jnp.bfloat16, jnp.float32):
-            p = split_experts(load_hf(d, dtype)[1])  # as `k2jax generate` serves on CPU
+            p = load_hf(d, dtype)[1]
             model = K2Model(cfg, dtype)
             generate(model, p, prompt, args.new_tokens)  # compile
             tm = {}

@@ -1,20 +1,28 @@
 """Prefill forward of configs/bench.json (1 × 512 tokens): k2jax against transformers, same weights.
 
-    python bench/forward.py [--tokens 512] [--rounds 5] [--bias-scale 0.0]
+    python bench/forward.py [--tokens 512] [--rounds 5] [--bias-scale 0.0] [--against REV]
 
-transformers' DeepseekV3ForCausalLM runs in the oracle environment (Python 3.11, torch CPU, 2 threads); the
-two are alternated round by round so both see the same machine state. Prints median times, the speed-up, and
-k2jax's achieved GFLOP/s against the measured matmul peak of the same dtype. The weights are random; how
-evenly they spread tokens over the experts matters to both implementations, so the load skew is printed too.
-k2jax runs both param layouts: "stacked" (each projection of the MoE layers' experts one [L, E, D, F] array,
-as checkpoints and training hold them) and "split" (k2jax.split_experts: one array per layer, made once at
-load; the layout `k2jax generate` serves from on CPU, where the scan's slice of a stacked array is a copy).
+transformers' DeepseekV3ForCausalLM runs in the oracle environment (Python 3.11, torch CPU, 2 threads); k2jax
+runs its default `apply` on the param tree `load_hf` returns (each projection of the MoE layers' routed
+experts one stacked [L, E, D, F] array, as checkpoints and training hold them). They are alternated round by
+round so that all see the same machine state. Prints median times, the speed-up, and k2jax's achieved
+GFLOP/s against the measured matmul peak of the same dtype. The weights are random; how evenly they spread
+tokens over the experts matters to both implementations, so the load skew is printed too.
+
+--against REV adds k2jax as of git revision REV (exported from this repository's history into a temporary
+directory) on the same checkpoint and tokens, in a worker process (bench/forward_worker.py) timed in the
+same rounds: each param layout that revision has, "stacked" and, where it has `k2jax.split_experts` (the
+per-layer experts layout callers chose on CPU before the MoE read the stacked params block by block),
+"split". E.g. --against b648c78, the last revision with split_experts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -23,7 +31,7 @@ import numpy as np
 
 from common import REPO, forward_flops, matmul_peak, median, time_fn  # noqa: I001
 
-from k2jax import K2Config, K2Model, load_hf, split_experts
+from k2jax import K2Config, K2Model, load_hf
 from tests.oracle.client import Oracle
 
 
@@ -36,6 +44,7 @@ def main():
                     help="the random e_score_correction_bias is uniform in +-this (default 0: a trained model's bias "
                          "evens the load out; the parity tests' 0.5, there to expose bias bugs, sends most "
                          "tokens to a few experts)")
+    ap.add_argument("--against", metavar="REV", help="also time k2jax of this git revision (see above)")
     args = ap.parse_args()
 
     hf_cfg = json.load(open(args.config))
@@ -48,34 +57,75 @@ def main():
     rows = []
     with Oracle() as oracle, tempfile.TemporaryDirectory() as tmp:
         base = {"config": hf_cfg, "seed": 0, "bias_scale": args.bias_scale}
-        oracle.run(base | {"save": {"dir": tmp, "format": "hf"}})
+        ckpt = os.path.join(tmp, "hf")
+        oracle.run(base | {"save": {"dir": ckpt, "format": "hf"}})
+        np.save(os.path.join(tmp, "tokens.npy"), tokens)
+        old_tree = export_revision(args.against, os.path.join(tmp, "rev")) if args.against else None
         for dtype in ("bfloat16", "float32"):
-            _, stacked = load_hf(tmp, dtype=jnp.dtype(dtype))
-            layouts = {"stacked": stacked, "split": split_experts(stacked)}
+            _, params = load_hf(ckpt, dtype=jnp.dtype(dtype))
             model = K2Model(cfg, jnp.dtype(dtype))
             fwd = jax.jit(lambda p, t: model.apply({"params": p}, t))
             toks = jnp.asarray(tokens, jnp.int32)
-            for params in layouts.values():
-                jax.block_until_ready(fwd(params, toks))
+            jax.block_until_ready(fwd(params, toks))
             if dtype == "bfloat16":
                 print(f"tokens per expert, max / mean over the {cfg.n_routed_experts} experts, by MoE layer: "
-                      + " ".join(f"{r:.2f}" for r in load_skew(model, stacked, toks)))
+                      + " ".join(f"{r:.2f}" for r in load_skew(model, params, toks)))
+            worker = Worker(old_tree, ckpt, dtype, os.path.join(tmp, "tokens.npy")) if old_tree else None
             oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 1, "repeats": 1}})
-            ours, theirs = {name: [] for name in layouts}, []
+            ours, theirs = {"this tree": []}, []
+            ours |= {f"{args.against} {name}": [] for name in (worker.layouts if worker else ())}
             for _ in range(args.rounds):
                 theirs += list(oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 0,
                                                             "repeats": 1}})["bench.times"])
-                for name, params in layouts.items():
-                    ours[name] += time_fn(fwd, params, toks, repeats=1, warmup=0)
+                ours["this tree"] += time_fn(fwd, params, toks, repeats=1, warmup=0)
+                for name in worker.layouts if worker else ():
+                    ours[f"{args.against} {name}"].append(worker.time(name))
+            if worker:
+                worker.close()
             peak = matmul_peak(jnp.dtype(dtype))
-            for name in layouts:
-                rows.append((dtype, name, median(ours[name]), median(theirs), flops / median(ours[name]), peak))
-            del stacked, layouts, params
-    print(f"\n{'dtype':<9} {'layout':<8} {'k2jax ms':>9} {'HF ms':>9} {'speed-up':>9} {'k2jax GFLOP/s':>14} "
+            for name, times in ours.items():
+                rows.append((dtype, name, median(times), median(theirs), flops / median(times), peak))
+            del params
+    width = max(len(r[1]) for r in rows)
+    print(f"\n{'dtype':<9} {'k2jax':<{width}} {'k2jax ms':>9} {'HF ms':>9} {'speed-up':>9} {'k2jax GFLOP/s':>14} "
           f"{'matmul peak':>12} {'of peak':>8}")
     for dtype, name, ours, theirs, achieved, peak in rows:
-        print(f"{dtype:<9} {name:<8} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
+        print(f"{dtype:<9} {name:<{width}} {ours * 1e3:>9.1f} {theirs * 1e3:>9.1f} {theirs / ours:>8.2f}x "
               f"{achieved / 1e9:>14.1f} {peak / 1e9:>12.1f} {achieved / peak:>7.0%}")
+
+
+def export_revision(rev: str, dst: str) -> str:
+    """The source tree of git revision `rev` of this repository, extracted under dst (read from git's history:
+    the work tree is untouched)."""
+    os.makedirs(dst)
+    archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", dst], input=archive, check=True)
+    return dst
+
+
+class Worker:
+    """bench/forward_worker.py with another revision's k2jax: `layouts`, `time(layout)` -> seconds."""
+
+    def __init__(self, tree: str, ckpt: str, dtype: str, tokens_path: str):
+        env = dict(os.environ, PYTHONPATH=tree)
+        self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "bench", "forward_worker.py"), ckpt, dtype,
+                                      tokens_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.layouts = self._read()["layouts"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the forward worker exited with status {self.proc.wait()}")
+        return json.loads(line)
+
+    def time(self, layout: str) -> float:
+        self.proc.stdin.write(json.dumps({"time": layout}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["s"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def load_skew(model, params, tokens) -> np.ndarray:

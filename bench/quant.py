@@ -7,8 +7,8 @@
    after quantize_params, and for Kimi K2 from abstract_params(cfg, quant=...) (values and scales; nothing
    allocated). Goal for K2: fp8 <= 0.51x bf16, int4 <= 0.30x.
 2. Decode step (one token per row at `--context` tokens of cache, absorbed attention) and prefill (1 x 512)
-   time on this machine for each, computing in bf16, in the split experts layout k2jax generate uses on one
-   CPU device. Goal: fp8 and int4 decode no slower than bf16. Beside each: the compiled step's temp bytes and
+   time on this machine for each, computing in bf16, with the per-layer expert views the runtime steps with
+   on one CPU device. Goal: fp8 and int4 decode no slower than bf16. Beside each: the compiled step's temp bytes and
    how many bf16/f32 temps the size of a dequantized weight (>= D*F elements) its HLO writes: on XLA:CPU a
    dot reads materialised operands, so a dequantization the compiler cannot fuse into the dot shows up there.
 3. Logits of an FP8 source (quantize_params "fp8") against the same model with its routed experts requantized
@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax import K2Config, K2Model, abstract_params, split_experts
+from k2jax import K2Config, K2Model, abstract_params
 from k2jax.inference.cache import init_cache
 from k2jax.nn.quantized import quantize_params, requantize_params
 from k2jax.ops.quant import is_quantized
+from k2jax.nn.model import expert_views
 from k2jax.testing import random_params
 
 FORMATS = ("bf16", "fp8", "int4")
@@ -83,12 +84,12 @@ def main():
     print(f"   goal for K2: fp8 <= 0.51x ({k2_bytes['fp8'] / k2_bytes['bf16']:.3f}), "
           f"int4 <= 0.30x ({k2_bytes['int4'] / k2_bytes['bf16']:.3f})")
 
-    print(f"\n2. step time, bf16 compute, {jax.default_backend()} (split experts layout), ms")
+    print(f"\n2. step time, bf16 compute, {jax.default_backend()} (with the runtime's per-layer expert views), ms")
     model = K2Model(cfg, jnp.bfloat16)
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
     rows = []
     for f in FORMATS:
-        p = split_experts(trees[f])
+        p = expert_views(trees[f])
         row = {}
         for B in (int(b) for b in args.batches.split(",")):
             cache = init_cache(cfg, B, args.context + 8, "bfloat16")

@@ -229,7 +229,6 @@ def main():
         # --- static generate at a full batch: the same prompts, one padded batch ---
         _, params = k2jax.load_hf(ckpt, dtype=jnp.bfloat16)
         model = k2jax.K2Model(cfg, jnp.bfloat16)
-        params = k2jax.split_experts(params)
         prompts = [p for p, _ in full]
         k2jax.generate(model, params, prompts, args.max_new)  # compiles
         t = {}

@@ -125,7 +125,6 @@ def _plan_compile(args, cfg, kw, what) -> int:
 def _generate(args) -> int:
     import time
 
-    import jax
     import jax.numpy as jnp
 
     import k2jax
@@ -151,8 +150,6 @@ def _generate(args) -> int:
         cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
     dist.log0(f"loaded in {time.perf_counter() - t0:.1f} s")
     model = k2jax.K2Model(cfg, jax_dtype(params))
-    if mesh is None and cfg.num_moe_layers and jax.default_backend() == "cpu":
-        params = k2jax.split_experts(params)  # XLA:CPU would copy each layer's stacked experts per step
 
     tok = KimiTokenizer.from_dir(args.tokenizer) if args.tokenizer else None
     if args.prompt is not None:

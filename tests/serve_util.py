@@ -106,7 +106,7 @@ class Solo:
 
         self.cfg, params = k2jax.load_hf(ckpt, dtype=jnp.float32, quant=quant)
         self.model = k2jax.K2Model(self.cfg, jnp.float32)
-        self.params = k2jax.split_experts(params)
+        self.params = params
         self._memo = {}
 
     def __call__(self, prompt, n, stop_ids=()) -> list[int]:

@@ -3,11 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from k2jax import K2Config, K2Model, abstract_params, init_params, make_mesh, split_experts, stack_experts, use_mesh
+from k2jax import K2Config, K2Model, abstract_params, init_params
 from k2jax.nn.block import DecoderBlock
+from k2jax.nn.model import EXPERT_VIEWS, expert_views
 from k2jax.nn.norm import rms_norm
+from k2jax.nn.quantized import quantize_params
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
@@ -22,12 +23,12 @@ def test_scan_equals_blocks_one_by_one():
 
     x = params["embed_tokens"][tokens]
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((7, 7), bool)), (2, 7, 7))
+    valid = jnp.ones((2, 7), bool)
     for group, n, moe in (("dense_layers", 2, False), ("moe_layers", 3, True)):
         block = jax.jit(DecoderBlock(cfg, moe).apply)  # one compile per kind of block, not op by op
         for i in range(n):
             layer = jax.tree_util.tree_map(lambda a: a[i], params[group])
-            x, _ = block({"params": layer}, x, pos, mask)
+            x, _ = block({"params": layer}, x, pos, valid)
     x = rms_norm(x, params["norm"]["weight"], cfg.rms_norm_eps)
     np.testing.assert_allclose(logits, x @ params["lm_head"], atol=1e-5, rtol=1e-5)
 
@@ -92,23 +93,79 @@ def test_program_size_does_not_grow_with_depth():
     assert abs(sizes[1] - sizes[0]) < 0.02 * sizes[0], sizes
 
 
-def test_split_experts_layout_gives_the_same_model():
-    """Per-layer expert arrays (a switch on the layer index) == the stacked layout, each layer with its own
-    experts; stack_experts restores the params exactly; a mesh is refused."""
+def test_moe_layers_run_out_of_the_stacked_experts():
+    """The default MoE path (XLA:CPU, one device) computes each layer's routed experts out of the stacked
+    params with the layer's index: equal to the dense reference, each layer with its own experts (swapping two
+    layers' experts changes the output), gradients equal to the reference's."""
     cfg = TINY.replace(num_hidden_layers=4)  # 3 MoE layers
     params = random_params(cfg, seed=7)
-    split = split_experts(params)
-    assert "experts" not in split["moe_layers"]["mlp"]
-    stacked_up = params["moe_layers"]["mlp"]["experts"]["up_proj"]
-    assert [a.shape for a in split["moe_layers_experts"]["up_proj"]] == [stacked_up.shape[1:]] * 3
-    model = K2Model(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 9), 0, cfg.vocab_size)
-    fwd = jax.jit(lambda p: model.apply({"params": p}, tokens))
-    np.testing.assert_allclose(fwd(split), fwd(params), atol=1e-6, rtol=1e-6)
-    # Swapping two layers' experts must change the output: the switch does pick per layer.
-    swapped = split | {"moe_layers_experts": jax.tree.map(lambda t: (t[1], t[0], t[2]), split["moe_layers_experts"],
-                                                          is_leaf=lambda t: isinstance(t, tuple))}
+
+    def loss(model, p):
+        return jnp.sum(jnp.sin(model.apply({"params": p}, tokens)))
+
+    dense, default = K2Model(cfg, moe_impl="dense"), K2Model(cfg)
+    fwd = jax.jit(lambda p: default.apply({"params": p}, tokens))
+    np.testing.assert_allclose(fwd(params), dense.apply({"params": params}, tokens), atol=1e-5, rtol=1e-5)
+    mlp = params["moe_layers"]["mlp"]
+    swapped = jax.tree.map(lambda a: a[jnp.array([1, 0, 2])], mlp["experts"])
+    swapped = params | {"moe_layers": params["moe_layers"] | {"mlp": mlp | {"experts": swapped}}}
     assert not np.allclose(fwd(swapped), fwd(params), atol=1e-3)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), stack_experts(split), params))
-    with use_mesh(make_mesh("expert=4,tensor=2")), pytest.raises(ValueError, match="single-device layout"):
-        model.apply({"params": split}, tokens)
+    g_ref = jax.jit(jax.grad(lambda p: loss(dense, p)))(params)
+    g_got = jax.jit(jax.grad(lambda p: loss(default, p)))(params)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_forward_copies_no_layer_of_the_expert_stacks():
+    """XLA:CPU copies a slice of an array before a matmul reads it: the forward must not take a layer's
+    whole expert stack out of the stacked params (the scan's per-layer slice), only blocks of experts that
+    fit the cache; its temporary memory stays under one layer's stack of one projection."""
+    cfg = TINY.replace(num_hidden_layers=3, n_routed_experts=32, moe_intermediate_size=1024)
+    params = abstract_params(cfg)
+    tokens = jax.ShapeDtypeStruct((1, 64), jnp.int32)  # 128 assignments over 32 experts: the batched matmul
+    compiled = jax.jit(lambda p, t: K2Model(cfg).apply({"params": p}, t)).lower(params, tokens).compile()
+    one_projection = np.prod(params["moe_layers"]["mlp"]["experts"]["up_proj"].shape[1:]) * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < one_projection
+
+
+def test_expert_views_share_the_stacks_memory_and_give_the_same_model():
+    """expert_views, the per-layer views a runtime's steps take on one CPU device: each view is its stack's
+    own memory (nothing copied), the model gives the reference's logits through them (a switch picks each
+    layer's views: swapping two layers' changes the output), quantized experts too, and params it cannot
+    view (abstract ones) come back unchanged."""
+    cfg = TINY.replace(num_hidden_layers=4)  # 3 MoE layers
+    params = random_params(cfg, seed=7)
+    tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 9), 0, cfg.vocab_size)
+    fwd = jax.jit(lambda p: K2Model(cfg).apply({"params": p}, tokens))
+    views = expert_views(params)
+    stack = np.asarray(params["moe_layers"]["mlp"]["experts"]["up_proj"])
+    assert [v.unsafe_buffer_pointer() for v in views[EXPERT_VIEWS]["up_proj"]] == [
+        stack[i].ctypes.data for i in range(3)]
+    want = K2Model(cfg, moe_impl="dense").apply({"params": params}, tokens)
+    np.testing.assert_allclose(fwd(views), want, atol=1e-5, rtol=1e-5)
+    swapped = views | {EXPERT_VIEWS: {k: (v[1], v[0], v[2]) for k, v in views[EXPERT_VIEWS].items()}}
+    assert not np.allclose(fwd(swapped), want, atol=1e-3)
+    quantized = quantize_params(params, cfg, "fp8")
+    np.testing.assert_allclose(fwd(expert_views(quantized)), fwd(quantized), atol=1e-6, rtol=1e-6)
+    abstract = abstract_params(cfg)
+    assert expert_views(abstract) is abstract
+
+
+def test_runner_steps_through_the_views_equal_the_reference():
+    """The runtime's steps on one CPU device take expert_views of the params: greedy generation through them
+    equals the argmax of the dense reference's full forward, token by token."""
+    from k2jax.inference.generate import generate
+    from k2jax.inference.runner import Runner
+
+    cfg = TINY.replace(num_hidden_layers=4)
+    params = random_params(cfg, seed=3)
+    assert EXPERT_VIEWS in Runner(K2Model(cfg), params, slots=1, num_pages=2, page_size=8).params
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    tokens, _ = generate(K2Model(cfg), params, prompts, 5)
+    reference = jax.jit(lambda t: K2Model(cfg, moe_impl="dense").apply({"params": params}, t))
+    for prompt, got in zip(prompts, np.asarray(tokens)):
+        seq = list(prompt)
+        for _ in range(5):
+            seq.append(int(jnp.argmax(reference(jnp.asarray([seq]))[0, -1])))
+        assert list(got) == seq[len(prompt):]

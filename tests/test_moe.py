@@ -7,7 +7,8 @@ import pytest
 
 from k2jax.config import K2Config
 from k2jax.nn.moe import MoE, route
-from k2jax.ops.moe import moe_dense, moe_grouped
+from k2jax.ops.moe import grouped_moe, moe_dense, moe_grouped
+from k2jax.ops.quant import quantize_weight
 from tests.conftest import CONFIGS
 
 
@@ -83,6 +84,71 @@ def test_experts_held_elsewhere_add_nothing(T, E, capacity):
     ref = moe_dense(x, idx, jnp.where(foreign, 0.0, wt), *w)
     got = grouped_moe(x, jnp.where(foreign, E, idx), wt, *w, capacity=capacity, tile=4)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def layer_stacks(key, L, E, D, F, quant=None):
+    """Every layer's expert stacks [L, E, ...] (plain or quantized) and each layer's plain weights."""
+    ks = jax.random.split(key, L)
+    layers = [experts(k, E, D, F) for k in ks]
+    stacks = [jnp.stack(ws) for ws in zip(*layers)]
+    if quant:
+        stacks = [quantize_weight(w, quant, lead_ndim=2) for w in stacks]
+        layers = [tuple(w.dequantize()[i] for w in stacks) for i in range(L)]
+    return stacks, layers
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "int4"])
+@pytest.mark.parametrize("T, capacity, block", [
+    (2, None, None),  # decode-sized: the chosen experts gathered out of the stacks
+    (40, None, 1), (40, None, 2), (40, None, 8),  # the batched matmul in blocks of 1, 2, all 8 experts
+    (40, 2, 4),  # blocks and overflow tiles
+    (40, 0, None),  # tiles only
+])
+def test_layer_read_out_of_stacks_equals_dense_of_that_layer(quant, T, capacity, block):
+    """grouped_moe of layer l of every layer's stacks (and of layer l's own arrays, which run in blocks too
+    when quantized) == moe_dense of that layer's experts."""
+    L, E, K, D, F = 3, 8, 2, 64, 32
+    key = jax.random.PRNGKey(T + 3 * (capacity or 0) + (block or 0))
+    stacks, layers = layer_stacks(key, L, E, D, F, quant)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 2), T, E, K, skew=2.0)
+    run = jax.jit(lambda x, layer: grouped_moe(x, idx, wt, *stacks, layer=layer, capacity=capacity, tile=4,
+                                               block=block))
+    own = jax.jit(lambda x, *w: grouped_moe(x, idx, wt, *w, capacity=capacity, tile=4, block=block))
+    for layer in range(L):
+        want = moe_dense(x, idx, wt, *layers[layer])
+        np.testing.assert_allclose(run(x, layer), want, atol=1e-5, rtol=1e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(own(x, *(w[layer] for w in stacks)), want, atol=1e-5, rtol=1e-5,
+                                   err_msg=f"layer {layer}'s own arrays")
+
+
+@pytest.mark.parametrize("T, capacity", [(29, None), (29, 0), (2, None)])
+def test_stacks_give_the_values_and_the_slice_the_gradients(T, capacity):
+    """moe_grouped with the stacks and the layer: values computed out of the stacks (the layer's own arrays
+    are never read forward), gradients for x, the router weights and the layer's arrays equal the dense
+    reference's, none for the stacks."""
+    L, E, K, D, F = 3, 16, 3, 16, 12
+    key = jax.random.PRNGKey(4)
+    stacks, layers = layer_stacks(key, L, E, D, F)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 2), T, E, K, skew=3.0)
+    layer = 1
+
+    def loss(fn, x, wt, w, stacks):
+        return jnp.sum(jnp.sin(fn(x, idx, wt, w, stacks)))
+
+    def got(x, idx, wt, w, stacks):
+        return moe_grouped(x, idx, wt, *w, tile=8, capacity=capacity, stacks=stacks, layer=jnp.int32(layer))
+
+    zeros = jax.tree.map(jnp.zeros_like, layers[layer])
+    np.testing.assert_allclose(jax.jit(got)(x, idx, wt, zeros, stacks), moe_dense(x, idx, wt, *layers[layer]),
+                               atol=1e-5, rtol=1e-5)
+    g_ref = jax.grad(lambda *a: loss(lambda x, i, wt, w, s: moe_dense(x, i, wt, *w), *a), argnums=(0, 1, 2, 3))(
+        x, wt, layers[layer], stacks)
+    g_got = jax.jit(jax.grad(lambda *a: loss(got, *a), argnums=(0, 1, 2, 3)))(x, wt, layers[layer], stacks)
+    for a, b in zip(jax.tree_util.tree_leaves(g_got[:3]), jax.tree_util.tree_leaves(g_ref[:3])):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert all(not np.any(g) for g in jax.tree_util.tree_leaves(g_got[3]))
 
 
 def test_bf16_grouped_close_to_dense():

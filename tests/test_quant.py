@@ -14,7 +14,7 @@ import pytest
 
 from k2jax import K2Config, K2Model, abstract_params, make_mesh, param_shardings, use_mesh
 from k2jax.checkpoint import save_hf
-from k2jax.nn.model import split_experts
+from k2jax.nn.model import expert_views
 from k2jax.nn.quantized import dequantize_params, quantize_params
 from k2jax.ops.attention import attend_absorbed, attend_expanded
 from k2jax.ops.expert_parallel import moe_expert_parallel
@@ -204,7 +204,7 @@ def test_held_quantized_and_decode_temp_far_below_a_layer_of_experts(quant):
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, params)
     cache = init_cache(cfg, 1, 64, "bfloat16")
     tok = jnp.zeros((1, 1), jnp.int32)
-    for p in (params, split_experts(params)):
+    for p in (params, expert_views(params)):
         compiled = jax.jit(lambda p, c: model.apply({"params": p}, tok, None, None, c)).lower(p, cache).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
         assert temp < 0.25 * bf16_layer, (temp, bf16_layer)

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.inference import sampling
 from k2jax.inference.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
-from k2jax.nn.model import K2Model
+from k2jax.nn.model import K2Model, expert_views
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
@@ -62,7 +62,8 @@ class Runner:
     """The pool of `num_pages` pages of `page_size` tokens ({group: [L, A, Y, R + P]}, kv_dtype as
     k2jax.inference.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
     on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
-    one step. The params stay the caller's (placed on the mesh already, or on one device).
+    one step. The params stay the caller's (placed on the mesh already, or on one device; on one CPU device
+    the steps also take k2jax.nn.model.expert_views of them, which share their memory).
 
     abstract=True: nothing is allocated; the state is jax.ShapeDtypeStructs with their shardings
     (`state_shapes`) and the params may be too, for `lower(shape).compile()` ahead of time, e.g. for a TPU
@@ -71,6 +72,8 @@ class Runner:
     def __init__(self, model: K2Model, params, *, slots: int, num_pages: int, page_size: int, kv_dtype=None,
                  mesh=None, abstract: bool = False):
         self.model, self.params, self.mesh = model, params, mesh
+        if mesh is None:  # XLA:CPU: the steps read the routed experts through zero-copy per-layer views
+            self.params = expert_views(params)
         self.cfg = model.cfg
         self.slots, self.page_size = slots, page_size
         self.kv_dtype = jnp.dtype(model.param_dtype).name if kv_dtype in (None, "auto") else kv_dtype

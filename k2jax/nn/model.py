@@ -7,6 +7,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k2jax.config import K2Config
 from k2jax.nn.block import DecoderBlock
@@ -61,14 +62,14 @@ class K2Model(nn.Module):
         embed_VD = param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
                          nn.initializers.normal(1.0))
         x_BTD = embed_VD[tokens_BT]
-        # Per-layer expert arrays (split_experts) go to the blocks whole, with each layer's index.
-        split = self.get_variable("params", SPLIT_EXPERTS) if self.has_variable("params", SPLIT_EXPERTS) else None
+        # The MoE layers' routed-expert stacks go to the blocks whole, with each layer's index (see MoE).
+        stacks = self._expert_stacks()
         new = {}
         for name, n, moe in (("dense_layers", cfg.num_dense_layers, False),
                              ("moe_layers", cfg.num_moe_layers, True)):
             if n:
                 blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, attention, name, name=name)
-                x_BTD, new[name] = blocks(x_BTD, positions_BT, valid_BT, cache, split if moe else None,
+                x_BTD, new[name] = blocks(x_BTD, positions_BT, valid_BT, cache, stacks if moe else None,
                                           jnp.arange(n))
         if logits_at_B is not None:
             x_BTD = jnp.take_along_axis(x_BTD, logits_at_B.astype(jnp.int32)[:, None, None], axis=1)
@@ -84,6 +85,18 @@ class K2Model(nn.Module):
             return logits
         return logits, cache.append(new, valid_BT.sum(1).astype(jnp.int32))
 
+    def _expert_stacks(self):
+        """The params' routed-expert stacks of the MoE layers ({"gate_proj": [L, E, D, F], ...}), their
+        per-layer views if the params carry them (see expert_views), or None (init, or no MoE layers)."""
+        if self.has_variable("params", EXPERT_VIEWS):
+            stacks = self.get_variable("params", EXPERT_VIEWS)
+        elif self.has_variable("params", "moe_layers"):
+            stacks = self.get_variable("params", "moe_layers").get("mlp", {}).get("experts")
+        else:
+            return None
+        # Values only: derivatives reach the experts through the scan's per-layer slices (see MoE).
+        return jax.lax.stop_gradient(stacks)
+
 
 # What a block keeps from its forward pass for the backward pass: everything ("none": no remat), only its
 # inputs ("full": the block is recomputed), or also the weight matmuls' outputs ("save_matmuls": attention
@@ -96,8 +109,9 @@ def scanned_blocks(length: int, remat: str = "none"):
     """DecoderBlock repeated `length` times under nn.scan: params stacked on a leading, unsharded 'layers'
     axis, so compile time does not grow with depth. Each block gets its layer index; positions, kv_valid,
     the cache (read only: the blocks return their new latents, written in after the last layer, since a
-    cache scanned in and out with the layers would be copied whole on every step) and the split experts are
-    shared by all layers. Sown intermediates (router statistics) are stacked on the layer axis too. remat: see REMAT_POLICIES."""
+    cache scanned in and out with the layers would be copied whole on every step) and the routed-expert
+    stacks (see MoE) are shared by all layers. Sown intermediates (router statistics) are stacked on the
+    layer axis too. remat: see REMAT_POLICIES."""
     if remat not in REMAT_POLICIES:
         raise ValueError(f"remat policy must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
     block = DecoderBlock
@@ -108,37 +122,51 @@ def scanned_blocks(length: int, remat: str = "none"):
                    metadata_params={nn.PARTITION_NAME: "layers"})
 
 
-# Where split_experts puts the MoE layers' routed experts: {"gate_proj": (L arrays [E, D, F]), ...}.
-SPLIT_EXPERTS = "moe_layers_experts"
-_EXPERT_PATH = ("moe_layers", "mlp", "experts")
+# Where expert_views puts its per-layer views: {"gate_proj": (L arrays [E, D, F] or QuantizedWeight), ...}.
+EXPERT_VIEWS = "_moe_expert_views"
 
 
-def split_experts(params):
-    """The same model with the MoE layers' routed experts held as one array per layer instead of one stacked
-    [L, E, D, F] array: a faster layout for inference on XLA:CPU, where the scan's per-layer slice of a
-    stacked array is a copy (a layer's whole expert stack, for each forward). Each layer's experts then run
-    in their own branch of a `lax.switch` on the layer index, reading that layer's arrays in place.
+def expert_views(params):
+    """params plus zero-copy per-layer views of the MoE layers' routed-expert stacks (under EXPERT_VIEWS), for
+    a runtime's own jitted steps on one XLA:CPU device (k2jax.inference.runner): the same tree otherwise.
 
-    For inference on one device: train on the stacked layout (under grad, each layer's backward pass would
-    add zeros into every other layer's expert gradients), and shard it (k2jax.sharding) too. The result holds
-    new arrays; drop the stacked params to free their memory. `stack_experts` undoes it.
+    XLA:CPU copies any slice of an array that feeds a matmul, and a layer's experts sliced out of the stacked
+    params inside a step are such a slice. k2jax.ops.moe reads them out of the stacks block by block, which
+    costs a prefill little but doubles what decode, bound by reading the chosen experts, moves. A view is a
+    separate jax array over the stack's own memory (a numpy view of the CPU buffer put back without a copy),
+    so a switch on the layer reads it in place. Nothing is copied: when the backend would copy (not on one
+    CPU device, or abstract params), the params come back unchanged. The views share the stacks' memory:
+    they are valid while the stacks are, and must not outlive them (do not delete or donate the params).
     """
-    def layers(v):  # abstract params (jax.ShapeDtypeStruct) split too, for ahead-of-time compiles
-        n = v.shape[0]
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(v)):
-            return (jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), v),) * n
-        return tuple(v[i] for i in range(n))  # a QuantizedWeight indexes its values and scales alike
+    stacks = params.get("moe_layers", {}).get("mlp", {}).get("experts") if isinstance(params, dict) else None
+    if stacks is None or EXPERT_VIEWS in params:
+        return params
+    if not all(isinstance(a, jax.Array) and len(a.devices()) == 1 and a.is_fully_addressable
+               and next(iter(a.devices())).platform == "cpu" for a in jax.tree.leaves(stacks)):
+        return params
+    by_layer = {}
+    for name, stack in stacks.items():  # a plain array or a QuantizedWeight (values and scales)
+        leaves, treedef = jax.tree.flatten(stack)
+        largest = max(range(len(leaves)), key=lambda j: leaves[j].nbytes)
+        # The values must be views; a QuantizedWeight's few scales may be copied (a layer's scales can start
+        # off the alignment a zero-copy array needs).
+        per_leaf = [_layer_views(a, copy_ok=j != largest) for j, a in enumerate(leaves)]
+        if any(v is None for v in per_leaf):
+            return params
+        by_layer[name] = tuple(treedef.unflatten([v[i] for v in per_leaf]) for i in range(leaves[0].shape[0]))
+    return params | {EXPERT_VIEWS: by_layer}
 
-    stacked = subtree(params, _EXPERT_PATH)
-    rest = with_subtree(params, _EXPERT_PATH[:-1], lambda mlp: {k: v for k, v in mlp.items() if k != "experts"})
-    return rest | {SPLIT_EXPERTS: {k: layers(v) for k, v in stacked.items()}}
 
-
-def stack_experts(params):
-    """Inverse of split_experts: the stacked layout that checkpoints, sharding and training use."""
-    stacked = {k: jax.tree.map(lambda *a: jnp.stack(a), *v) for k, v in params[SPLIT_EXPERTS].items()}
-    rest = {k: v for k, v in params.items() if k != SPLIT_EXPERTS}
-    return with_subtree(rest, _EXPERT_PATH[:-1], lambda mlp: mlp | {"experts": stacked})
+def _layer_views(a, copy_ok: bool = False):
+    """a[0], a[1], ... as jax arrays over a's own memory; None if the backend copies, unless copy_ok."""
+    host = np.asarray(a)  # on CPU: a numpy view of the array's own buffer
+    device = next(iter(a.devices()))
+    views = []
+    for i in range(a.shape[0]):
+        views.append(jax.device_put(host[i], device))
+        if not copy_ok and views[-1].unsafe_buffer_pointer() != host[i].ctypes.data:
+            return None  # copied: dropped before any more are made
+    return tuple(views)
 
 
 def subtree(tree, path):

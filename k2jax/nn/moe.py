@@ -5,8 +5,9 @@ G expert groups.
 
 The routed experts run through one of k2jax.ops.moe's dispatch kernels, with the same parameters:
 "dense" (`moe_dense`, every expert on every token: the reference), "tiled" (`grouped_moe`, XLA:CPU's
-batched-plus-tiles path) or "ragged" (`jax.lax.ragged_dot`); under a mesh the expert-parallel exchange of
-k2jax.ops.expert_parallel runs them on the devices holding them.
+batched-plus-tiles path, reading the layer's experts out of the stacked params; see MoE) or "ragged"
+(`jax.lax.ragged_dot`); under a mesh the expert-parallel exchange of k2jax.ops.expert_parallel runs them on
+the devices holding them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from k2jax.config import K2Config
 from k2jax.nn.common import param
 from k2jax.nn.mlp import MLP
 from k2jax.ops.expert_parallel import moe_expert_parallel
-from k2jax.ops.moe import grouped_dispatch, moe_dense, moe_grouped
-from k2jax.ops.quant import compute_dtype
+from k2jax.ops.moe import moe_dense, moe_grouped
 
 MOE_IMPLS = ("auto", "dense", "tiled", "ragged")
 
@@ -119,11 +119,15 @@ class MoE(nn.Module):
     capacity: int | None = None  # CPU grouped path: rows per expert in the batched matmul (None: by shape)
 
     @nn.compact
-    def __call__(self, x_BTD, experts=None, layer=None):
-        """experts, layer: every MoE layer's routed experts as separate arrays ({"gate_proj": (L arrays
-        [E, D, F]), ...}; see k2jax.nn.model.split_experts) and this layer's index, a traced int. The
-        layer's experts then run in its branch of a switch, which reads them in place; without them the
-        experts are this module's params."""
+    def __call__(self, x_BTD, stacks=None, layer=None):
+        """stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer
+        axis ({"gate_proj": [L, E, D, F], "up_proj": [L, E, D, F], "down_proj": [L, E, F, D]}, plain or
+        QuantizedWeight; or a runtime's per-layer views of them, k2jax.nn.model.expert_views: {"gate_proj":
+        (L arrays [E, D, F]), ...}), which K2Model passes whole to its scan over the layers, and this layer's
+        index, a traced int. The XLA:CPU path ("tiled", one device) then computes this layer's experts
+        straight out of them (k2jax.ops.moe.moe_grouped): the scan's per-layer slice of the params, which
+        XLA:CPU copies whole before a matmul reads it, is read only to differentiate. Without them (init),
+        and on the other paths, the experts are this module's own params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
@@ -134,30 +138,16 @@ class MoE(nn.Module):
         if impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
         sharded = jax.sharding.get_abstract_mesh().size > 1
-
-        def routed(x_TD, idx_TK, weight_TK, w):
-            if impl == "dense":
-                return moe_dense(x_TD, idx_TK, weight_TK, *w)
-            if sharded:
-                return moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
-            return moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity)
-
-        if experts is None:
-            w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
-            y_TD = routed(x_TD, idx_TK, weight_TK, w)
+        w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
+        if impl == "dense":
+            y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
+        elif sharded:
+            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
         else:
-            if sharded:
-                raise ValueError("per-layer expert arrays (split_experts) are a single-device layout; "
-                                 "under a mesh use the stacked params")
-            layers = list(zip(experts["gate_proj"], experts["up_proj"], experts["down_proj"]))
-            if impl == "tiled":  # the routing's index work outside the switch: compiled once, not per layer
-                run = grouped_dispatch(idx_TK, weight_TK, cfg.n_routed_experts, capacity=self.capacity,
-                                       tile=self.tile)
-                branches = [lambda x, w=w: run(x.astype(compute_dtype(w[0], x)), *w) for w in layers]
-                y_TD = jax.lax.switch(layer, branches, x_TD)
-            else:
-                branches = [lambda x, i, wt, w=w: routed(x, i, wt, w) for w in layers]
-                y_TD = jax.lax.switch(layer, branches, x_TD, idx_TK, weight_TK)
+            if stacks is not None:
+                stacks = (stacks["gate_proj"], stacks["up_proj"], stacks["down_proj"])
+            y_TD = moe_grouped(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile, capacity=self.capacity,
+                               stacks=stacks, layer=layer)
         y_BTD = y_TD.reshape(B, T, D)
         if cfg.n_shared_experts:
             y_BTD = y_BTD + MLP(cfg.shared_intermediate_size, self.param_dtype, name="shared_experts")(x_BTD)

@@ -9,16 +9,23 @@ M = T*K (token, expert) assignments, C rows per expert (capacity) or per tile.
   own weights only. On GPU/TPU the sorted rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
   XLA:CPU has no real kernel for it, so `grouped_moe` (the XLA:CPU workaround) runs one batched matmul over
   every expert's first C rows (C sized for a balanced load) and a loop over tiles for what a hot expert has
-  beyond C; for decode-sized batches it gathers the chosen experts' weights instead.
+  beyond C; for decode-sized batches it gathers the chosen experts' weights instead. Given every layer's
+  stacks [L, E, ...] and a layer index (`layer=`, as the model's scan over the layers holds its params), it
+  reads that layer's experts straight out of the stacks, a block of experts at a time (XLA:CPU copies any
+  slice feeding a matmul: a scan's slice of a layer's stack would be copied whole; see grouped_moe).
 - Expert parallelism (experts sharded over devices, tokens exchanged under shard_map): k2jax.ops.expert_parallel.
 
 Every path takes the expert stacks as plain arrays or as k2jax.ops.quant.QuantizedWeight (FP8 / INT4), which
 run in the activations' dtype and are dequantized inside the step, at most one layer's chosen experts at a
 time: the gathered decode path gathers the chosen experts' values and scales and dequantizes only those; a
-tile dequantizes its one expert; the batched, ragged and dense paths dequantize the layer's stack they read.
+tile dequantizes its one expert; a block of the batched matmul dequantizes its block of experts; the ragged
+and dense paths dequantize the layer's stack they read.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,14 +51,26 @@ def moe_dense(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
     return jnp.einsum("ETD,TE->TD", y_ETD.astype(jnp.float32), combine_TE).astype(x_TD.dtype)
 
 
-def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=None, capacity=None):
+def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="tiled", tile=None, capacity=None,
+                stacks=None, layer=None):
     """Dropless grouped dispatch (see the module docstring). Returns [T, D]; equals moe_dense.
 
     tile, capacity: the CPU path's static sizes (see grouped_moe); None picks them from the shapes.
+    stacks, layer: optionally every layer's expert stacks (gate, up, down: [L, E, D, F], [L, E, D, F],
+    [L, E, F, D]) and a traced layer index, with gate/up/down their layer `layer` (a scan's slice of them).
+    The CPU path ("tiled") then computes the values out of the stacks, never reading the slice (see
+    grouped_moe: XLA:CPU copies it whole), and the derivatives as without the stacks, for x, the weights and
+    gate/up/down: none go to the stacks, whose per-layer gradients a scan adds up best through its slices.
+    Each of gate, up, down in stacks may also be a sequence of the L layers' own arrays (zero-copy views of
+    a stack, which a runtime can make outside its jitted steps: k2jax.nn.model.expert_views): a switch on the
+    layer then reads its arrays in place, with no copy at all.
     """
     T, K = idx_TK.shape
     x_TD = x_TD.astype(compute_dtype(gate_EDF, x_TD))
     if impl != "ragged":
+        if stacks is not None:
+            return _from_stacks(tile, capacity, x_TD, idx_TK, weight_TK, (gate_EDF, up_EDF, down_EFD),
+                                tuple(stacks), layer)
         return grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, tile=tile, capacity=capacity)
     flat_M = idx_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)
@@ -59,6 +78,35 @@ def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="ti
     y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
     return _combine(y_MD.reshape(T, K, -1), weight_TK).astype(x_TD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _from_stacks(tile, capacity, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+    """grouped_moe of layer `layer` read out of the stacks; differentiated (the forward included) as
+    grouped_moe of layer_w, that layer's own arrays. See moe_grouped."""
+    E = layer_w[0].shape[0]
+    run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
+    if isinstance(stacks[0], (tuple, list)):  # each layer's own arrays: a switch reads them in place
+        branches = [lambda x_TD, ws=ws: run(x_TD, ws) for ws in zip(*stacks)]
+        return jax.lax.switch(layer, branches, x_TD)
+    return run(x_TD, stacks, layer=layer)
+
+
+def _from_stacks_fwd(tile, capacity, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+    frozen = is_quantized(layer_w[0])  # quantized experts are frozen: no derivative for them
+
+    def fn(x_TD, weight_TK, *w):
+        return grouped_moe(x_TD, idx_TK, weight_TK, *(layer_w if frozen else w), tile=tile, capacity=capacity)
+
+    return jax.vjp(fn, x_TD, weight_TK, *(() if frozen else layer_w))
+
+
+def _from_stacks_bwd(tile, capacity, vjp, dy_TD):
+    dx_TD, dweight_TK, *dw = vjp(dy_TD)
+    return dx_TD, None, dweight_TK, tuple(dw) if dw else None, None, None
+
+
+_from_stacks.defvjp(_from_stacks_fwd, _from_stacks_bwd)
 
 
 def _combine(y_TKD, weight_TK):
@@ -78,52 +126,80 @@ def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
 def default_sizes(M: int, E: int) -> tuple[int, int]:
     """(capacity, tile) for M assignments over E experts, both static.
 
-    Capacity: enough that a balanced load (a trained router's) never overflows, mean + 2 standard deviations
-    of a binomial load rounded up to 8 rows, so the batched matmul does nearly all the work. Tile: the next
-    power of two above the capacity, at most 128 rows, since a skewed load (an untrained router's: on the
-    bench config some experts get 300 rows and others none) overflows by hundreds of rows per hot expert,
-    and each tile copies its expert's weights. Measured on that skew: tiles of 8, 32, 64, 128 rows gave a
-    forward of 957, 580, 523, 502 ms.
+    Capacity: enough that a balanced load (a trained router's) rarely overflows, mean + 2 standard
+    deviations of a binomial load rounded up to 8 rows, so the batched matmul does nearly all the work.
+    Tile: the next power of two above the capacity, at most 32 rows. An untrained router's load is skewed
+    (bench config, random weights: the busiest expert gets 1.5-2.2x the mean, or 3.5-4.7x with the parity
+    tests' random correction bias) and its hot experts overflow by tens to hundreds of rows; each overflowing
+    expert's weights are taken once for all its tiles (see _tile_loop), so small tiles waste little on
+    padding. Measured forwards (bf16, 1 x 512), tiles of 16 / 32 / 64 / 128 rows: 593 / 585 / 608 / 632 ms
+    on the milder skew, 760 / 704 / 663 / 688 ms on the stronger one.
     """
     mean = M / E
     capacity = 8 * -(-int(mean + 2 * mean**0.5) // 8)
-    return capacity, min(128, 1 << (capacity - 1).bit_length())
+    return capacity, min(32, 1 << (capacity - 1).bit_length())
+
+
+# Bytes of expert weights (the three projections, in the dtype the matmuls read) that one step of the blocked
+# batched matmul copies out of a layer stack; see grouped_moe.
+BLOCK_BYTES = 4 << 20
+
+
+def experts_per_block(E: int, ws, dtype, block_bytes: int | None = None) -> int:
+    """The largest divisor of E whose experts' weights (ws: gate, up, down [..., E, D, F], read in `dtype`
+    when quantized) take at most block_bytes (default BLOCK_BYTES); at least 1."""
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+    per_expert = sum(math.prod(w.shape[-2:]) * jnp.dtype(dtype if is_quantized(w) else w.dtype).itemsize
+                     for w in ws)
+    n = max(1, min(E, block_bytes // per_expert))
+    while E % n:
+        n -= 1
+    return n
 
 
 def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity=None, tile=None,
-                out_dtype=None):
+                out_dtype=None, layer=None, block=None):
     """Σ_k w_k · SwiGLU_{idx_k}(x) for XLA:CPU, which has no grouped matmul kernel. x [T, D], idx/weight
     [T, K] -> [T, D] in out_dtype (default x's). idx == E (an expert held elsewhere; expert parallelism)
     adds nothing.
 
     - Each expert's first `capacity` rows go to an [E, C, D] buffer and one batched matmul per projection
-      runs all experts at once, reading the stacked weights in place. The outputs are gathered back per
-      token, weighted and summed in one pass.
+      runs all experts at once. The outputs are gathered back per token, weighted and summed in one pass.
     - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
       rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert,
       added into its tokens' outputs. Its trip count is the number of such tiles, usually 0.
     - With under one assignment per four experts (decode) and capacity left to None, each assignment's
-      expert weights are gathered instead: the batched matmul would read every expert for a few rows, and
-      on XLA:CPU taking a layer's expert stack out of the scanned params for a matmul copies all of it,
-      where a gather reads only the rows it needs.
+      expert weights are gathered instead: the batched matmul would read every expert for a few rows, where a
+      gather reads only the experts chosen.
+
+    layer: None, or a traced int with the weights every layer's stacks [L, E, ...] (the params as a scan over
+    the layers holds them). XLA:CPU copies any slice of a larger array that feeds a matmul into a buffer of
+    its own: the scan's slice of a layer's experts would copy the layer's whole stack, every forward (the
+    bench config's 7 MoE layers: about 40% more time in the routed experts than with one array per layer).
+    Given the stacks and the layer, every path reads only what it needs, straight out of them: the gathered
+    path gathers the chosen experts, a tile slices its one expert, and the batched matmul runs in a loop over
+    blocks of experts (`block` experts per step, default: as many as fit BLOCK_BYTES), each block sliced out
+    of the stack right before its matmul, so that the copy stays in cache and the matmul reads it there.
+    Quantized experts run in blocks too (also one layer's own), each block dequantized right before its
+    matmuls: at most a block of experts is ever dequantized at once.
     """
-    dispatch = grouped_dispatch(idx_TK, weight_TK, gate_EDF.shape[0], capacity=capacity, tile=tile)
-    return dispatch(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype)
+    E = gate_EDF.shape[0 if layer is None else 1]
+    run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
+    return run(x_TD, (gate_EDF, up_EDF, down_EFD), layer=layer, block=block, out_dtype=out_dtype)
 
 
 def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
     """grouped_moe in two steps: the routing's index work here, once; the returned
-    `run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None) -> [T, D]` does the expert work. Several expert
-    sets can then share one dispatch (k2jax.nn.model.split_experts: a switch branch per layer holds only the
-    expert work, so compiling a branch per layer costs less)."""
+    `run(x_TD, (gate, up, down), layer=None, block=None, out_dtype=None) -> [T, D]` does the expert work, so
+    that several sets of experts can share one dispatch (one per branch of a switch over layers)."""
     T, K = idx_TK.shape
     M = T * K
     if capacity is None and 4 * M <= E:
         weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
         idx_TK = jnp.minimum(idx_TK, E - 1)
 
-        def run_gathered(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
-            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)
+        def run_gathered(x_TD, ws, layer=None, block=None, out_dtype=None):
+            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer)
             return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
         return run_gathered
@@ -141,9 +217,9 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
 
     # Capacity part: slot e*C + rank; rows past capacity get slot E*C and take no part.
     in_cap_M = here_M & (rank_sorted_M < C)
-    slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
     if C:
-        src_S = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C]
+        slot_sorted_M = jnp.where(in_cap_M, e_sorted_M * C + rank_sorted_M, E * C)
+        src_EC = jnp.full(E * C + 1, T, jnp.int32).at[slot_sorted_M].set(tok_sorted_M)[:E * C].reshape(E, C)
         slot_TK = jnp.zeros(M, jnp.int32).at[order_M].set(slot_sorted_M.astype(jnp.int32)).reshape(T, K)
 
     # Overflow part: at most M - C rows, over at most min(E, M // (C + 1)) experts (static bound on tiles).
@@ -164,35 +240,100 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
         # refuses a query that does not vary over the manual axes while pad_end_E does.
         starts_n = jnp.arange(n_tiles) * tile
         tile_expert = jnp.minimum(jnp.sum(pad_end_E[None, :] <= starts_n[:, None], axis=1), E - 1)
-        n_active = pad_end_E[-1] // tile
+        tiles_E = padded_E // tile
+        # The experts with tiles, in order (their tiles are consecutive), for the forward's loop over them.
+        run_expert = jnp.argsort((tiles_E == 0).astype(jnp.int32), stable=True).astype(jnp.int32)
+        plan = dict(expert_n=tile_expert, n_active=pad_end_E[-1] // tile, run_expert=run_expert,
+                    n_runs=jnp.sum(tiles_E > 0), first_E=(pad_end_E - padded_E) // tile, tiles_E=tiles_E)
 
-    def run(x_TD, gate_EDF, up_EDF, down_EFD, out_dtype=None):
+    def run(x_TD, ws, layer=None, block=None, out_dtype=None):
         D = x_TD.shape[1]
         x_ext = jnp.concatenate([x_TD, jnp.zeros((1, D), x_TD.dtype)])  # row T: zeros, for empty slots
         y_TD = jnp.zeros_like(x_TD, jnp.float32)  # like x: under shard_map it varies as the loop's adds do
         if C:
-            y_SD = _swiglu(x_ext[src_S].reshape(E, C, D), gate_EDF, up_EDF, down_EFD).reshape(E * C, D)
+            # One layer's own plain arrays: one batched matmul reads them in place. A stack: blocks (see
+            # above); quantized ones too, each block dequantized in turn (never the whole layer at once).
+            whole = layer is None and not is_quantized(ws[0])
+            n = E if whole else (block or experts_per_block(E, ws, x_TD.dtype))
+            y_SD = _blocked_swiglu(x_ext, src_EC, ws, layer, n).reshape(E * C, D)
             # A gather, a select and a weighted sum: one pass, nothing [T, K, D] materialised.
             got_TKD = jnp.where((slot_TK < E * C)[..., None], y_SD[jnp.minimum(slot_TK, E * C - 1)], 0)
             y_TD = _combine(got_TKD, weight_TK)
         if overflow:
             y_ext = jnp.concatenate([y_TD, jnp.zeros((1, D), jnp.float32)])  # row T: where padding rows add
-            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, tile_expert, n_active, gate_EDF, up_EDF, down_EFD)[:T]
+            y_TD = _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, *ws)[:T]
         return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
     return run
 
 
-def _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
-    """Decode-sized grouped_moe: each token's K experts' weights gathered (only those are read), the router
-    weights scaling the hidden units so that the down projection also sums the experts. Rows are padded to 4
-    (R): with fewer, XLA:CPU converts the weights to float32 before multiplying."""
+# Expert weights come as one layer's arrays [E, ...] (layer None) or as every layer's stacks [L, E, ...] with
+# a traced layer index; plain or QuantizedWeight (values and scales indexed alike). One layer's arrays reach
+# the matmuls as they are (no reshape or slice of them when whole), so that differentiating through them
+# keeps the arrays themselves as residuals: a scan then passes its own per-layer slices on, copying nothing.
+
+def _expert_slice(w, layer, start, n: int):
+    """Experts start..start+n of (layer `layer` of) w -> [n, ...]: one dynamic slice, which XLA fuses into
+    the copy that feeds the matmul."""
+    def take(a):
+        if layer is None:
+            return jax.lax.dynamic_slice_in_dim(a, start, n)
+        return jax.lax.dynamic_slice(a, (layer, start) + (0,) * (a.ndim - 2), (1, n) + a.shape[2:])[0]
+
+    return jax.tree.map(_as_bytes(take), w)
+
+
+def _expert(w, layer, e):
+    """Expert(s) e (an int or an index array) of (layer `layer` of) w."""
+    return jax.tree.map(_as_bytes(lambda a: a[_at(layer, e)]), w)
+
+
+def _as_bytes(take):
+    """take(a), a float8 array taken as its bytes. XLA:CPU runs a slice or gather of float8 on a float16
+    copy of its whole operand: of a whole layer stack of FP8 expert values, hoisted out of the loop over
+    layers (every layer's experts in float16 at once, twice the FP8 bytes). As bytes it holds one uint8 copy
+    of the stack instead. Measured on the bench config's two MoE layers:
+    temp memory of a forward 1 x 512 from 2.5 to 1.5 bf16 layers of experts."""
+    def fn(a):
+        if jnp.dtype(a.dtype).itemsize != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
+            return take(a)
+        return jax.lax.bitcast_convert_type(take(jax.lax.bitcast_convert_type(a, jnp.uint8)), a.dtype)
+
+    return fn
+
+
+def _at(layer, e):
+    return e if layer is None else (layer, e)
+
+
+def _blocked_swiglu(x_ext, src_EC, ws, layer, n: int):
+    """SwiGLU of each expert's rows: x_ext rows src_EC [E, C] through layer `layer`'s expert e -> [E, C, D].
+    n == E: one batched matmul per projection; else a loop over blocks of n experts, each block's weights
+    sliced out of the stacks right before its matmuls (see grouped_moe)."""
+    E, C = src_EC.shape
+    if n == E:
+        return _swiglu(x_ext[src_EC], *(w if layer is None else _expert_slice(w, layer, 0, E) for w in ws))
+
+    def block(b, y_ECD):
+        start = b * n
+        w = [_expert_slice(s, layer, start, n) for s in ws]
+        y_nCD = _swiglu(x_ext[jax.lax.dynamic_slice_in_dim(src_EC, start, n)], *w)
+        return jax.lax.dynamic_update_slice_in_dim(y_ECD, y_nCD, start, 0)
+
+    return jax.lax.fori_loop(0, E // n, block, jnp.zeros((E, C, x_ext.shape[1]), x_ext.dtype))
+
+
+def _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer):
+    """Decode-sized grouped_moe: each token's K experts' weights gathered (only those are read) from layer
+    `layer` of the stacks, the router weights scaling the hidden units so that the down projection also sums
+    the experts. Rows are padded to 4 (R): with fewer, XLA:CPU converts the weights to float32 before
+    multiplying."""
     T, D = x_TD.shape
     K = idx_TK.shape[1]
     f32, dt = jnp.float32, x_TD.dtype
     x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, 3), (0, 0)]), (T, K, 4, D))
     # Quantized stacks: the chosen experts' values and scales are gathered, then only those dequantized.
-    gate_TKDF, up_TKDF, down_TKFD = (materialize(w[idx_TK], dt) for w in (gate_EDF, up_EDF, down_EFD))
+    gate_TKDF, up_TKDF, down_TKFD = (materialize(_expert(w, layer, idx_TK), dt) for w in ws)
     g_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, gate_TKDF, preferred_element_type=f32).astype(dt)
     u_TKRF = jnp.einsum("TKRD,TKDF->TKRF", x_TKRD, up_TKDF, preferred_element_type=f32).astype(dt)
     h_TKRF = ((jax.nn.silu(g_TKRF) * u_TKRF).astype(f32) * weight_TK[:, :, None, None]).astype(dt)
@@ -201,31 +342,44 @@ def _gathered_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD):
 
 
 @jax.custom_vjp
-def _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    """y_ext[src[j]] += w[j] · SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each);
-    y float32.
+def _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD):
+    """y_ext[src[j]] += w[j] · SwiGLU_{expert[j]}(x_ext[src[j]]) for the first n_active tiles j (C rows each),
+    with the experts of (layer `layer` of) the weights (see _expert_slice); y float32. plan (ints, see
+    grouped_dispatch): expert_n, n_active; and the experts with tiles, run_expert[:n_runs], each with its
+    tiles first_E[e] .. first_E[e] + tiles_E[e].
 
-    A while loop visits only the active tiles and gathers/scatters their rows itself, so nothing sized by
-    the static tile bound is materialised. Its own backward pass (below) adds each tile's weight gradient
-    into its expert's slot: differentiating the loop directly would add a zero-padded gradient of all
-    experts' weights on every tile. Quantized weights are frozen: no gradient for them (None).
+    Loops visit only the active tiles and gather/scatter their rows themselves, so nothing sized by the
+    static tile bound is materialised: one over the experts with tiles, which takes each expert's weights
+    once (copied on XLA:CPU, dequantized if quantized), and within it one over the expert's tiles. Its own
+    backward pass (below) adds each tile's weight gradient into its expert's slot: differentiating the loop
+    directly would add a zero-padded gradient of all experts' weights on every tile. Quantized weights are
+    frozen: no gradient for them (None).
     """
-    def body(j, y):
-        e, src_C = expert_n[j], src_nC[j]
-        out_CD = _swiglu(x_ext[src_C], gate_EDF[e], up_EDF[e], down_EFD[e])
-        return y.at[src_C].add(out_CD.astype(jnp.float32) * w_nC[j][:, None])
+    f32 = jnp.float32
 
-    return jax.lax.fori_loop(0, n_active, body, y_ext)
+    def per_expert(r, y):
+        e = plan["run_expert"][r]
+        w = [materialize(_expert(ws, layer, e), x_ext.dtype) for ws in (gate_EDF, up_EDF, down_EFD)]
+
+        def per_tile(j, y):
+            src_C = src_nC[j]
+            return y.at[src_C].add(_swiglu(x_ext[src_C], *w).astype(f32) * w_nC[j][:, None])
+
+        first = plan["first_E"][e]
+        return jax.lax.fori_loop(first, first + plan["tiles_E"][e], per_tile, y)
+
+    return jax.lax.fori_loop(0, plan["n_runs"], per_expert, y_ext)
 
 
-def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD):
-    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
-    return out, (x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD)
+def _tile_loop_fwd(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD):
+    out = _tile_loop(x_ext, y_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD)
+    return out, (x_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD)
 
 
 def _tile_loop_bwd(res, dy_ext):
-    x_ext, src_nC, w_nC, expert_n, n_active, gate_EDF, up_EDF, down_EFD = res
+    x_ext, src_nC, w_nC, plan, layer, gate_EDF, up_EDF, down_EFD = res
     f32, dt = jnp.float32, x_ext.dtype
+    expert_n = plan["expert_n"]
 
     def mm(eq, a, b):
         return jnp.einsum(eq, a, b, preferred_element_type=f32)
@@ -234,7 +388,7 @@ def _tile_loop_bwd(res, dy_ext):
         dx_ext, dw_nC, dgate, dup, ddown = carry
         e, src_C = expert_n[j], src_nC[j]
         x_CD, dy_CD = x_ext[src_C], dy_ext[src_C]
-        gate_DF, up_DF, down_FD = (materialize(w[e], dt) for w in (gate_EDF, up_EDF, down_EFD))
+        gate_DF, up_DF, down_FD = (materialize(_expert(w, layer, e), dt) for w in (gate_EDF, up_EDF, down_EFD))
         # Recompute the forward in the same dtypes as _swiglu.
         g_CF = mm("CD,DF->CF", x_CD, gate_DF).astype(dt).astype(f32)
         u_CF = mm("CD,DF->CF", x_CD, up_DF).astype(dt).astype(f32)
@@ -250,14 +404,15 @@ def _tile_loop_bwd(res, dy_ext):
         dx_ext, dw_nC = dx_ext.at[src_C].add(dx_CD.astype(dt)), dw_nC.at[j].set(dw_C)
         if frozen:
             return dx_ext, dw_nC, dgate, dup, ddown
-        return (dx_ext, dw_nC, dgate.at[e].add(mm("CD,CF->DF", x_CD, dg_CF)),
-                dup.at[e].add(mm("CD,CF->DF", x_CD, du_CF)), ddown.at[e].add(mm("CF,CD->FD", h_CF, dout_CD)))
+        at = _at(layer, e)
+        return (dx_ext, dw_nC, dgate.at[at].add(mm("CD,CF->DF", x_CD, dg_CF)),
+                dup.at[at].add(mm("CD,CF->DF", x_CD, du_CF)), ddown.at[at].add(mm("CF,CD->FD", h_CF, dout_CD)))
 
     frozen = is_quantized(gate_EDF)
     dws = (() if frozen else
            (jnp.zeros_like(gate_EDF, f32), jnp.zeros_like(up_EDF, f32), jnp.zeros_like(down_EFD, f32)))
     init = (jnp.zeros_like(x_ext), jnp.zeros_like(w_nC)) + (dws or (None, None, None))
-    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, n_active, body, init)
+    dx_ext, dw_nC, dgate, dup, ddown = jax.lax.fori_loop(0, plan["n_active"], body, init)
     if frozen:
         return dx_ext, dy_ext, None, dw_nC, None, None, None, None, None
     return (dx_ext, dy_ext, None, dw_nC, None, None, dgate.astype(gate_EDF.dtype), dup.astype(up_EDF.dtype),

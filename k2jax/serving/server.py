@@ -134,8 +134,6 @@ def load_model(args):
         cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
         name = args.model_name or _name(args.hf_checkpoint)
     model = k2jax.K2Model(cfg, params["embed_tokens"].dtype)
-    if mesh is None and cfg.num_moe_layers and jax.default_backend() == "cpu":
-        params = k2jax.split_experts(params)  # XLA:CPU would copy each layer's stacked experts per step
     return model, params, tok, name, mesh
 
 
