@@ -55,7 +55,7 @@ def param_specs(cfg: K2Config, mesh_shape: dict[str, int] | None = None, quant: 
     values' and scales' specs."""
     if mesh_shape is None:
         return jax.tree_util.tree_map(lambda n: logical_to_spec(tuple(n)), param_axes(cfg, quant), is_leaf=_is_spec)
-    return _placed_specs(param_axes(cfg, quant), abstract_params(cfg, quant=quant), mesh_shape)
+    return placed_specs(param_axes(cfg, quant), abstract_params(cfg, quant=quant), mesh_shape)
 
 
 def fallbacks(cfg: K2Config, mesh_shape: dict[str, int], dtype=None, quant: str | None = None) -> list[Fallback]:
@@ -83,11 +83,11 @@ def param_shardings(cfg: K2Config, mesh: jax.sharding.Mesh | jax.sharding.Abstra
     axes, shapes = param_axes(cfg, quant), abstract_params(cfg, quant=quant)
     for f in _fallbacks(axes, shapes, mesh_shape) if warn else ():
         warnings.warn(f"k2jax.placement: {f.describe()}", stacklevel=2)
-    specs = _placed_specs(axes, shapes, mesh_shape)
+    specs = placed_specs(axes, shapes, mesh_shape)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def _placed_specs(axes, shapes, mesh_shape):
+def placed_specs(axes, shapes, mesh_shape):
     def one(names, a):
         if not is_quantized(a):
             return logical_to_spec(tuple(names), a.shape, mesh_shape)

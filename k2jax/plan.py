@@ -38,7 +38,7 @@ from k2jax.inference.cache import DEFAULT_PAGE_SIZE, KV_DTYPES, TPU_LANE, kv_byt
 from k2jax.nn.model import abstract_params, param_axes
 from k2jax.nn.quantized import check_quant
 from k2jax.ops.quant import QuantizedWeight, is_quantized
-from k2jax.placement import Fallback, _placed_specs
+from k2jax.placement import Fallback, placed_specs
 from k2jax.sharding import MESH_AXES, dividing_axes, format_bytes, logical_to_spec, parse_mesh_spec, shard_count
 
 GiB, GB = 2**30, 10**9
@@ -219,7 +219,7 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], *, quant: str | None = None,
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     shape = parse_mesh_spec(mesh)
     shapes, axes, wanted = _tree(cfg, dtype, quant)
-    specs = _placed_specs(axes, shapes, shape)
+    specs = placed_specs(axes, shapes, shape)
     per_dev: dict[str, float] = {}
     full: dict[str, float] = {}
     fell_back = []

@@ -41,8 +41,16 @@ export K2JAX_ORACLE_PYTHON="$oracle_env/bin/python"
 export K2JAX_REQUIRE_ORACLE=1
 export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile checks (tests/test_aot.py) must run
 
+# XLA's persistent compilation cache, kept between runs like the environments: the suite compiles many of the
+# same programs (servers in subprocesses, the TPU checks) run after run. A program read from it still counts as
+# a compilation for the no-recompile tests (k2jax.serving.compiles).
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla}"
+export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-$((4 << 30))}"
+
+# Two workers (pytest-xdist), whole files per worker so that a file's module-scoped fixtures (servers,
+# conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process.
 set +e
-"$main_env/bin/python" -m pytest --durations=15 "$@"
+"$main_env/bin/python" -m pytest -n "${K2JAX_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
 rc=$?
 set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected

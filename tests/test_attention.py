@@ -61,7 +61,8 @@ def test_absorbed_decode_equals_expanded_on_same_cache(T):
 
 
 def test_long_prefill_memory_is_linear():
-    """An 8k-token prefill of the tiny config: the plain path's score matrix alone would be
+    """An 8k-token chunk of the tiny config over an 8k-token cache (the cached keys all visited): the plain
+    path's score matrix alone would be
     1 × 4 heads × 8192² × 4 bytes = 1 GiB; the blocked one stays far below (bench/decode.py measures 32k)."""
     length = 8192
     _, _, grew_mib = prefill_memory(length, CONFIGS / "tiny.json", timeout=300)

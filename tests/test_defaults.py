@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, generate
-from k2jax.inference.generate import filter_logits, sample
+from k2jax.inference.sampling import default_rows, sample_rows, set_row, sorted_cutoff
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 
@@ -22,27 +22,38 @@ def _spread_logits():
     return jnp.stack([jnp.linspace(0.0, -30.0, V), jnp.zeros(V).at[7].set(12.0)])
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (V, 1.0), (V, None)])
+def _kept(x, top_k, top_p):
+    """How many ids of each row the top_k / top_p cut keeps."""
+    B = x.shape[0]
+    cut = sorted_cutoff(x, jnp.full((B,), top_k, jnp.int32), jnp.full((B,), top_p, jnp.float32))
+    return np.asarray((x >= cut[:, None]).sum(-1))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (V, 1.0), (-1, 1.0)])
 def test_no_cut_keeps_every_id(top_k, top_p):
-    x = filter_logits(_spread_logits(), 1.0, top_k, 1.0 if top_p is None else top_p)
-    assert bool(jnp.all(jnp.isfinite(x))), f"{int((~jnp.isfinite(x)).sum())} of {x.size} ids cut"
+    assert list(_kept(_spread_logits(), top_k, top_p)) == [V, V]
 
 
 def test_no_cut_samples_the_full_softmax():
-    """top_k = V, top_p = 1: the same draw as jax.random.categorical on logits / temperature, key for key."""
-    logits = jnp.tile(_spread_logits(), (64, 1)) * 0.1  # a flatter spread: the tail gets drawn
-    for seed in range(4):
-        key = jax.random.PRNGKey(seed)
-        want = jax.random.categorical(key, logits / 0.7, axis=-1)
-        np.testing.assert_array_equal(sample(logits, key, 0.7, V, 1.0), want)
-        np.testing.assert_array_equal(sample(logits, key, 0.7, 0, 1.0), want)
+    """top_k = V (or 0 = all), top_p = 1: each row draws from softmax(logits / temperature) with its key
+    fold_in(PRNGKey(seed), step), the same draw as jax.random.categorical with that key."""
+    logits = jnp.tile(_spread_logits(), (32, 1)) * 0.1  # a flatter spread: the tail gets drawn
+    B = logits.shape[0]
+    for top_k in (V, 0):
+        rows = default_rows(B)
+        for i in range(B):
+            set_row(rows, i, temperature=0.7, top_k=top_k, top_p=1.0, seed=i, step=3)
+        got = np.asarray(sample_rows(logits, rows)["tokens"])
+        want = [int(jax.random.categorical(jax.random.fold_in(jax.random.PRNGKey(i), 3), logits[i] / 0.7))
+                for i in range(B)]
+        np.testing.assert_array_equal(got, want)
 
 
 def test_cuts_still_cut():
     """The fix for top_p = 1 leaves real cuts alone: top_k keeps k ids, a top_p < 1 keeps the smallest set."""
     x = _spread_logits()
-    assert int(jnp.isfinite(filter_logits(x, 1.0, 5, 1.0)).sum(-1)[0]) == 5
-    kept = np.asarray(jnp.isfinite(filter_logits(x, 1.0, 0, 0.5)).sum(-1))
+    assert _kept(x, 5, 1.0)[0] == 5
+    kept = _kept(x, 0, 0.5)
     p = np.asarray(jax.nn.softmax(x[0]))
     assert kept[0] == int(np.searchsorted(np.cumsum(p), 0.5) + 1) and kept[1] == 1
 

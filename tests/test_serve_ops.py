@@ -120,7 +120,7 @@ def test_the_queue_is_counted_after_admission(small):
 def ops(files, tmp_path_factory):
     ckpt, tok = files
     port = free_port()
-    s = Server(serve_argv(ckpt, tok, port, "--max-batch", "8", "--max-queue", "16", "--max-len", "4096",
+    s = Server(serve_argv(ckpt, tok, port, "--max-batch", "16", "--max-queue", "16", "--max-len", "4096",
                           "--prefill-chunk", "32", "--stats-interval", "0.5", "--drain-timeout", str(DRAIN_S)),
                port, tmp_path_factory.mktemp("ops") / "out.log", extra_env={"K2JAX_API_KEY": KEY})
     yield s
@@ -166,7 +166,8 @@ def test_the_logs_say_what_the_server_does(ops):
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(ops):
-    """8 streams and 8 non-streamed requests in flight, half of them too long to finish: SIGTERM makes new
+    """8 streams and 8 non-streamed requests in flight (16 slots: none waits behind the long ones for a slot
+    that frees only at the abort), half of them too long to finish: SIGTERM makes new
     requests 503 at once, the short ones finish, the long ones end with finish_reason "abort" and [DONE] (or
     a JSON 503) after the drain timeout; the server exits 0 without a traceback."""
     base = f"http://127.0.0.1:{ops.port}"

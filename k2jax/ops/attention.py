@@ -36,7 +36,10 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     - impl "plain": attend_expanded under the whole [T, S] mask (the reference);
     - "auto", no cache (C == 0): attend_blocked (tiles above the diagonal skipped);
     - "auto" with a cache: attend_absorbed when it takes fewer flops than expanding the keys, i.e. for
-      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2), else attend_blocked.
+      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2), and T is at most one
+      block (absorbed holds its [T, S] scores whole: with small ranks, 2R <= K + V, it is always the
+      cheaper in flops, and a long chunk over a long prefix would take memory quadratic in length);
+      else attend_blocked.
 
     q_nope [B, T, N, K], q_pe [B, T, N, P], ckv [B, S, R], k_pe [B, S, P], w_kv_b [R, N, K + V],
     kv_valid [B, S] bool -> [B, T, N, V].
@@ -47,7 +50,8 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     args = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX)
     if impl == "plain":
         return attend_expanded(*args, causal_mask(kv_valid_BS, T), scale)
-    if S > T and absorbed_is_cheaper(T, ckv_BSR.shape[-1], q_nope_BTNK.shape[-1], w_kv_b_RNX.shape[-1]):
+    if S > T and T <= DEFAULT_BLOCK and absorbed_is_cheaper(T, ckv_BSR.shape[-1], q_nope_BTNK.shape[-1],
+                                                            w_kv_b_RNX.shape[-1]):
         return attend_absorbed(*args, causal_mask(kv_valid_BS, T), scale)
     return attend_blocked(*args, kv_valid_BS, scale)
 

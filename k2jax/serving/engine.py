@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from k2jax.inference import sampling
-from k2jax.inference.cache import data_shards, kv_bytes_per_token
+from k2jax.inference.cache import data_shards, kv_bytes_per_token, lane
 from k2jax.inference.runner import Runner, host_batch
 from k2jax.serving.detok import NoText, TokenText
 from k2jax.serving.metrics import Metrics
@@ -120,7 +120,7 @@ def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, 
     tokens = max_batch * max_len
     if stats and all("bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype)
+        per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype, lane(mesh))  # as the pool pads (TPU)
         tokens = max(max_len, int(0.9 * free / per_token) * data_shards(mesh, max_batch))
     if jax.process_count() > 1:  # every process must make the same pool
         from jax.experimental import multihost_utils
@@ -149,7 +149,7 @@ class Engine:
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.detok, self.grammars, self.sync = detok, grammars, sync
         kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
-        slots = _round_up(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
+        slots = round_up_slots(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
         shards = data_shards(mesh, slots)
         self.max_batch = slots
         if kv_tokens is None:
@@ -437,7 +437,7 @@ class Engine:
         m.cached_prompt_tokens, m.preemptions = pool.hits, self.sched.preemptions
 
 
-def _round_up(max_batch: int, mesh) -> int:
+def round_up_slots(max_batch: int, mesh) -> int:
     """max_batch rounded up to a multiple of the data-parallel shards (the product of the mesh's batch axes:
     data, fsdp, expert), so that the slots and the pool split over all of them."""
     if mesh is None:

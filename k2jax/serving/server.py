@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import errno
 import logging
-import math
 import os
 import signal
 import socket
@@ -109,7 +108,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_model(args):
     """-> (model, params, tokenizer or None, model name, mesh)."""
-    import jax
     import jax.numpy as jnp
 
     import k2jax
@@ -266,10 +264,10 @@ def _run(args, sock) -> int:
     import jax
     import jax.numpy as jnp
 
-    from k2jax.inference.cache import kv_bytes_per_token
+    from k2jax.inference.cache import data_shards, kv_bytes_per_token, lane
     from k2jax.serving import compiles
     from k2jax.serving.detok import TokenText
-    from k2jax.serving.engine import Engine
+    from k2jax.serving.engine import Engine, round_up_slots
 
     log = setup_logging(dist.is_main())
     compiles.install()
@@ -295,8 +293,8 @@ def _run(args, sock) -> int:
     kv_tokens = args.kv_tokens
     if args.kv_memory is not None:
         kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else jnp.dtype(model.param_dtype).name
-        shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp", "expert"))
-        kv_tokens = int(args.kv_memory * 2**30 / kv_bytes_per_token(model.cfg, kv_dtype)) * shards
+        per_token = kv_bytes_per_token(model.cfg, kv_dtype, lane(mesh))  # as the pool pads (TPU)
+        kv_tokens = int(args.kv_memory * 2**30 / per_token) * data_shards(mesh, round_up_slots(args.max_batch, mesh))
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
