@@ -107,7 +107,7 @@ def main():
     import jax.numpy as jnp
 
     import k2jax
-    from k2jax.checkpoint.hf import save_hf
+    from k2jax.checkpoint import save_hf
     from k2jax.testing import random_params
 
     cfg = k2jax.K2Config.from_hf_config(args.config)
