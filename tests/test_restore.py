@@ -301,7 +301,9 @@ def test_each_process_reads_only_the_shards_its_devices_hold(wide):
         assert r["shard_experts"] == [E // 8]
         assert r["experts_held"] == [[k, k + E // 8] for k in range(rank * E // 2, (rank + 1) * E // 2, E // 8)]
         print(f"process {rank}: read {r['read']} B, its shards {expected} B, expert stacks {expert_bytes} B")
-        assert expected <= r["read"] <= expected + (256 << 10), (rank, r["read"], expected)
+        # slack: metadata, and whole storage chunks at the edges of the tensors split over `expert` (vocab,
+        # shared experts); measured up to 292 KB over. Reading a whole copy would be ~22 MB over.
+        assert expected <= r["read"] <= expected + (512 << 10), (rank, r["read"], expected)
         assert r["read"] < 0.6 * expert_bytes
 
 
