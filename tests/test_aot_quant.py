@@ -4,17 +4,8 @@ can put it beside that one)."""
 
 import pytest
 
-from k2jax.aot.topology import has_libtpu
 from k2jax.plan import GiB
-
-if not has_libtpu():
-    import os
-
-    if os.environ.get("K2JAX_REQUIRE_TPU_AOT") == "1":
-        raise RuntimeError("K2JAX_REQUIRE_TPU_AOT=1 but libtpu is not installed: pip install 'k2jax[tpu-aot]'")
-    pytest.skip("libtpu is not installed (pip install 'k2jax[tpu-aot]')", allow_module_level=True)
-
-from tests.test_aot import compiled  # noqa: E402
+from tests.test_aot import compiled  # skips (or, with K2JAX_REQUIRE_TPU_AOT=1, fails) as that file does without libtpu
 
 
 @pytest.fixture(scope="module")

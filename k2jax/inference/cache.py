@@ -93,6 +93,14 @@ def rows_sharding(mesh, rows: int):
     return NamedSharding(mesh, PartitionSpec(axes or None))
 
 
+def pool_tokens(cfg: K2Config, kv_dtype, bytes_per_shard: float, mesh=None, rows: int = 1) -> int:
+    """Tokens a pool of `bytes_per_shard` bytes on each data-parallel shard holds over all of them (batches of
+    `rows` rows on `mesh`), each token padded as `lane(mesh)` says: how --kv-memory and the default pool size
+    become a token count."""
+    per_token = kv_bytes_per_token(cfg, kv_dtype, lane(mesh))
+    return int(bytes_per_shard / per_token) * data_shards(mesh, rows)
+
+
 def data_shards(mesh, rows: int) -> int:
     """How many data-parallel shards a batch of `rows` rows (and its pool) is split into."""
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes(rows, mesh))

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from k2jax.inference import sampling
-from k2jax.inference.cache import data_shards, kv_bytes_per_token, lane
+from k2jax.inference.cache import data_shards, pool_tokens
 from k2jax.inference.runner import Runner, host_batch
 from k2jax.serving.detok import NoText, TokenText
 from k2jax.serving.metrics import Metrics
@@ -120,8 +120,7 @@ def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, 
     tokens = max_batch * max_len
     if stats and all("bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        per_token = kv_bytes_per_token(model.cfg, kv_cache_dtype, lane(mesh))  # as the pool pads (TPU)
-        tokens = max(max_len, int(0.9 * free / per_token) * data_shards(mesh, max_batch))
+        tokens = max(max_len, pool_tokens(model.cfg, kv_cache_dtype, 0.9 * free, mesh, max_batch))
     if jax.process_count() > 1:  # every process must make the same pool
         from jax.experimental import multihost_utils
 

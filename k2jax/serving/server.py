@@ -264,7 +264,7 @@ def _run(args, sock) -> int:
     import jax
     import jax.numpy as jnp
 
-    from k2jax.inference.cache import data_shards, kv_bytes_per_token, lane
+    from k2jax.inference.cache import pool_tokens
     from k2jax.serving import compiles
     from k2jax.serving.detok import TokenText
     from k2jax.serving.engine import Engine, round_up_slots
@@ -293,8 +293,7 @@ def _run(args, sock) -> int:
     kv_tokens = args.kv_tokens
     if args.kv_memory is not None:
         kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else jnp.dtype(model.param_dtype).name
-        per_token = kv_bytes_per_token(model.cfg, kv_dtype, lane(mesh))  # as the pool pads (TPU)
-        kv_tokens = int(args.kv_memory * 2**30 / per_token) * data_shards(mesh, round_up_slots(args.max_batch, mesh))
+        kv_tokens = pool_tokens(model.cfg, kv_dtype, args.kv_memory * 2**30, mesh, round_up_slots(args.max_batch, mesh))
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
