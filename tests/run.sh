@@ -46,6 +46,8 @@ export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile 
 # a compilation for the no-recompile tests (k2jax.serving.compiles).
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla}"
 export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-$((4 << 30))}"
+# every program, not only those that took a second to compile: a test server compiles dozens of small ones
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 
 # Two workers (pytest-xdist), whole files per worker so that a file's module-scoped fixtures (servers,
 # conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process.

@@ -87,6 +87,33 @@ def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows
     assert [s.rows for s in shapes if s.tokens == 1] == [2] + [4] * (N - 2) + [1]
 
 
+def test_a_lone_prompt_takes_idle_chunks_and_a_prompt_beside_decodes_takes_prefill_chunks(model_params, solo):
+    """While nothing decodes, a lone prompt is prefilled idle_chunk tokens at a time (its first chunk, then
+    a later one over the cached prefix); a prompt arriving while another request decodes takes chunks of at
+    most prefill_chunk, so the decoding row waits at most one such chunk per token. Outputs equal generate."""
+    eng = _engine(model_params, idle_chunk=32)
+    shapes = _record_shapes(eng)
+    long = _prompts(5, (50,))[0]
+    got, _ = _run(eng, [long])
+    assert got[0] == solo(long)
+    assert [(s.tokens, s.read_pages > 0) for s in shapes if s.tokens > 1] == [(32, False), (32, True)]
+
+    shapes.clear()
+    short, long2 = _prompts(6, (5, 50))
+    ev = {0: [], 1: []}
+    eng.submit(Request(short, SamplingParams(max_tokens=N), ev[0].append))
+    eng.step()  # the short prompt's chunk: it decodes from now on
+    eng.submit(Request(long2, SamplingParams(max_tokens=N), ev[1].append))
+    while not all(e and e[-1].finish_reason for e in ev.values()):
+        eng.step()
+    assert [t for e in ev[0] for t in e.token_ids] == solo(short)
+    assert [t for e in ev[1] for t in e.token_ids] == solo(long2)
+    prefills = [s.tokens for s in shapes[1:] if s.tokens > 1]
+    assert prefills and max(prefills) == 16, shapes  # beside a decoding row: prefill_chunk at most
+    # the idle engine default: 4 x prefill_chunk, at most max_len
+    assert _engine(model_params).idle_chunk == 64 and _engine(model_params, max_len=40).idle_chunk == 40
+
+
 def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefill(model_params):
     """batch_wait_s: requests 50 ms apart (as over HTTP) reach an idle running engine; its first step
     prefills all three together."""

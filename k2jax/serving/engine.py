@@ -134,18 +134,22 @@ class Engine:
     `detok` (a detok.TokenText) turns each request's tokens into text incrementally; `mesh` splits the slots
     and the pool over the batch's mesh axes (params already placed on it); `prefix_cache`: reuse the full
     pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
-    `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst)."""
+    `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst).
+    `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
+    none does (default 4 x prefill_chunk; at most max_len)."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
-                 metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None):
-        if max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1:
+                 metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
+                 idle_chunk: int | None = None):
+        if max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1 or (idle_chunk or 1) < 1:
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) and page_size "
                              f"({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
         self.model, self.params, self.mesh = model, params, mesh
         self.max_len, self.max_queue, self.batch_wait_s = max_len, max_queue, batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
+        self.idle_chunk = min(max(idle_chunk or 4 * prefill_chunk, prefill_chunk), max_len)
         self.detok, self.grammars, self.sync = detok, grammars, sync
         kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
         slots = round_up_slots(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
@@ -162,7 +166,7 @@ class Engine:
         self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=page_size,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
-        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk)
+        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []

@@ -11,7 +11,9 @@ what each row sampled.
   and pages from that shard only.
 - A step prefills at most `prefill_chunk` prompt tokens while rows decode (so a long prompt stalls the
   decodes by at most one chunk), in whole chunks, first come first served; while none decodes, the first
-  chunks of all waiting prompts run in one batch.
+  chunks of all waiting prompts run in one batch, and a lone prompt takes chunks of up to `idle_chunk`
+  tokens (nobody waits on it, and a longer chunk runs at a better rate: its experts see more tokens each, and
+  fewer later chunks re-read the prefix).
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -92,11 +94,14 @@ def bucket(n: int, sizes) -> int:
 
 class Scheduler:
     """slots: rows of per-slot state (a multiple of shards); pool: the pages; max_len: tokens per sequence;
-    prefill_chunk: most prompt tokens per step while rows decode; min_read_tokens: the smallest cache
-    read a step makes (fewer programs: reading a few more tokens costs little)."""
+    prefill_chunk: most prompt tokens per step while rows decode; idle_chunk (>= prefill_chunk, default
+    prefill_chunk): most prompt tokens per step while none decodes; min_read_tokens: the smallest cache read
+    a step makes (fewer programs: reading a few more tokens costs little)."""
 
-    def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256):
+    def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
+                 idle_chunk: int | None = None):
         self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
+        self.idle = max(prefill_chunk, idle_chunk or prefill_chunk)
         self.shards = pool.shards
         if slots % self.shards:
             raise ValueError(f"{slots} slots do not split over {self.shards} data-parallel shards")
@@ -109,7 +114,7 @@ class Scheduler:
         self.max_pages = -(-max_len // self.page_size)
         self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.page_size))
         self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
-        self.chunk_sizes = pow2_upto(prefill_chunk, lo=min(64, prefill_chunk))
+        self.chunk_sizes = pow2_upto(self.idle, lo=min(64, prefill_chunk))
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
@@ -120,7 +125,8 @@ class Scheduler:
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
-        out += [StepShape(1, self.chunk, r, self.table_pages(r, self.chunk)) for r in self.read_buckets[1:]]
+        out += [StepShape(1, T, r, self.table_pages(r, T)) for r in self.read_buckets[1:]
+                for T in {self.chunk, self.idle}]  # a later chunk
         return sorted(set(out))
 
     # --- admission -------------------------------------------------------------------------------------
@@ -175,9 +181,10 @@ class Scheduler:
         if batched:
             chunks = [(s, min(s.pending, self.chunk)) for s in fresh]
         else:
-            chunks, budget = [], self.chunk
+            limit = self.chunk if decoding else self.idle
+            chunks, budget = [], limit
             for s in prefilling:
-                n = min(s.pending, self.chunk)
+                n = min(s.pending, limit)
                 if n > budget:
                     break
                 chunks.append((s, n))
@@ -191,9 +198,10 @@ class Scheduler:
         if batched and chunks:
             calls.append(self._call(chunks, self.chunk, 0))
         else:
-            for s, n in chunks:  # a first chunk at the smallest size that holds it; a later one at the full size
+            for s, n in chunks:  # a first chunk at the smallest size that holds it; a later one at a full size
                 read = 0 if s.cached == 0 else bucket(self._pages_for(s.cached), self.read_buckets[1:])
-                calls.append(self._call([(s, n)], bucket(n, self.chunk_sizes) if read == 0 else self.chunk, read))
+                T = bucket(n, self.chunk_sizes) if read == 0 else self.chunk if n <= self.chunk else self.idle
+                calls.append(self._call([(s, n)], T, read))
         if decoding:
             read = bucket(max(self._pages_for(s.cached) for s in decoding), self.read_buckets[1:])
             calls.append(self._call([(s, 1) for s in decoding], 1, read))

@@ -67,9 +67,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the cached pages of earlier prompts (the prefix cache is on by default)")
     p.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="keep compiled programs in DIR, so that a restart with the same settings skips most of the "
-                        "compiling (default: ~/.cache/k2jax/xla; 'none' turns it off)")
+                        "compiling (default: $JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/k2jax/xla; 'none' "
+                        "turns it off)")
     p.add_argument("--prefill-chunk", type=int, default=512,
-                   help="most prompt tokens prefilled per engine step, so running decodes keep going (default 512)")
+                   help="most prompt tokens prefilled per engine step while requests decode, so they keep going "
+                        "(default 512)")
+    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="most prompt tokens per engine step while no request decodes: a lone long prompt runs in "
+                        "fewer, longer chunks, which take less time in all (default 4 x --prefill-chunk, at most "
+                        "--max-len)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
                    help="an idle server waits up to this long after a request for others arriving with it, so a "
                         "burst is prefilled in one batch (a wait also ends when a quarter of it passes with no new "
@@ -137,14 +143,18 @@ def load_model(args):
 
 def use_compile_cache(directory: str | None) -> None:
     """Keep compiled programs on disk (jax's persistent compilation cache), so that a restart with the same
-    settings loads them instead of compiling."""
+    settings loads them instead of compiling. Without a directory: jax's own JAX_COMPILATION_CACHE_DIR where
+    set, else ~/.cache/k2jax/xla; programs that took 0.5 s to compile or more, unless
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     import jax
 
     if directory == "none":
         return
-    directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla")
+    directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla"))
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def chat_template(args):
@@ -214,7 +224,8 @@ def setup_logging(main: bool) -> logging.Logger:
 
 def _check_flags(args) -> None:
     for flag, v in (("--max-batch", args.max_batch), ("--max-len", args.max_len), ("--page-size", args.page_size),
-                    ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue)):
+                    ("--prefill-chunk", args.prefill_chunk), ("--max-queue", args.max_queue),
+                    ("--idle-prefill-chunk", 1 if args.idle_prefill_chunk is None else args.idle_prefill_chunk)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
     for flag, v in (("--batch-wait-ms", args.batch_wait_ms), ("--drain-timeout", args.drain_timeout),
@@ -298,13 +309,14 @@ def _run(args, sock) -> int:
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
-                    grammars=_grammars(tok, model.cfg))
+                    grammars=_grammars(tok, model.cfg), idle_chunk=args.idle_prefill_chunk)
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
-    log.info(f"compiled the engine steps in {compile_s:.1f} s (prefill chunks of up to {engine.prefill_chunk})")
+    log.info(f"compiled the engine steps in {compile_s:.1f} s (prefill chunks of up to {engine.prefill_chunk} "
+             f"tokens while requests decode, {engine.idle_chunk} while none does)")
     if not dist.is_main():
         # A supervisor may signal every process: the followers step until process 0 tells them to stop.
         for sig in (signal.SIGTERM, signal.SIGINT):
