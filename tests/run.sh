@@ -50,10 +50,14 @@ export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile 
 # checks gain nothing: a compile-only TPU client cannot load a cached executable back.)
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
-if [[ -d $JAX_COMPILATION_CACHE_DIR ]] && (( $(du -sm "$JAX_COMPILATION_CACHE_DIR" | cut -f1) > 4096 )); then
-  echo "== compilation cache over 4 GiB: starting it afresh"
-  rm -rf "$JAX_COMPILATION_CACHE_DIR"
-fi
+# The TPU compiler's outputs for the full-model checks (k2jax.aot.compile): nine minutes of compiling otherwise.
+export K2JAX_AOT_CACHE="${K2JAX_AOT_CACHE:-$cache/aot}"
+for dir in "$JAX_COMPILATION_CACHE_DIR" "$K2JAX_AOT_CACHE"; do
+  if [[ -d $dir ]] && (( $(du -sm "$dir" | cut -f1) > 4096 )); then
+    echo "== $dir over 4 GiB: starting it afresh"
+    rm -rf "$dir"
+  fi
+done
 
 # Two workers (pytest-xdist), whole files per worker so that a file's module-scoped fixtures (servers,
 # conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process.

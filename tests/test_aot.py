@@ -86,3 +86,34 @@ def test_plan_compile_command_json(capsys):
     assert r["program"] == "decode" and r["error"] is None and r["shape"]["rows"] == 8
     assert r["total_bytes"] == r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] > 0
     assert r["plan_argument_bytes"] > 0 and "collectives" in r
+
+
+def test_the_compiler_output_cache_gives_the_compiled_figures_back(tmp_path, monkeypatch):
+    """K2JAX_AOT_CACHE: a program compiled once is read back with the same figures and HLO analysis, without
+    calling the compiler; another program (another batch) is compiled, not read."""
+    from k2jax.config import K2Config as Config
+    from k2jax.inference.runner import StepShape
+
+    tiny = Config.from_hf_config(CONFIGS / "tiny.json")
+    topo = load_topology("v5p:2x2x1")
+    mesh = topology_mesh(topo.devices, "expert=4")
+
+    def results(batch):
+        p = plan(tiny, "expert=4", batch=batch, max_len=256, kv_lane=128)
+        return aot.compile_programs(tiny, mesh, p, aot.step_shapes(batch, 256, p.kv.page_size, programs=("decode",)))
+
+    monkeypatch.setenv("K2JAX_AOT_CACHE", str(tmp_path))
+    (first,) = results(8)
+    assert first.error is None and len(list(tmp_path.glob("*.json.gz"))) == 1
+    calls = []
+    real = aot.jax.stages.Lowered.compile
+    monkeypatch.setattr(aot.jax.stages.Lowered, "compile", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    (again,) = results(8)
+    assert calls == []  # read back
+    for field in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes", "collectives", "loops", "padding",
+                  "estimate_arguments", "weight_copies", "weight_collectives"):
+        assert getattr(again, field) == getattr(first, field), field
+    assert again.argument_bytes > 0
+    (other,) = results(16)
+    assert calls == [1] and other.error is None and len(list(tmp_path.glob("*.json.gz"))) == 2
+    assert other.argument_bytes != first.argument_bytes

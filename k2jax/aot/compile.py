@@ -5,12 +5,23 @@ The programs are the steps of k2jax.inference.runner (the one jitted step that k
 server run), built with Runner(..., abstract=True): params, pool and sampling state are
 jax.ShapeDtypeStructs with their shardings, so nothing is allocated and a 1T-parameter model compiles on a
 laptop. The MoE runs its TPU path (ragged_dot): "auto" would pick XLA:CPU's on a CPU host.
+
+With K2JAX_AOT_CACHE=DIR set, what the compiler returns (its memory figures and the optimized HLO) is kept in
+DIR under a key of everything it was given (the lowered program, the devices, jax and libtpu versions, XLA
+flags), and read back for the same program: jax's own compilation cache cannot help here, because a
+compile-only TPU client cannot load a cached executable back. Everything read from the compiler's output is
+still computed afresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import hashlib
+import json
 import math
+import os
+import pathlib
 import time
 
 import jax
@@ -132,18 +143,14 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     t0 = time.perf_counter()
     lowered = runner.lower(shape)
     try:
-        compiled = lowered.compile()
+        mem, text = compiler_output(lowered, runner.mesh)
     except Exception as e:  # the compiler's own error types (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)
         res.seconds = time.perf_counter() - t0
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.seconds = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    res.argument_bytes = int(mem.argument_size_in_bytes)
-    res.temp_bytes = int(mem.temp_size_in_bytes)
-    res.output_bytes = int(mem.output_size_in_bytes)
-    res.alias_bytes = int(mem.alias_size_in_bytes)
-    text = compiled.as_text()
+    res.argument_bytes, res.temp_bytes = mem["argument_size_in_bytes"], mem["temp_size_in_bytes"]
+    res.output_bytes, res.alias_bytes = mem["output_size_in_bytes"], mem["alias_size_in_bytes"]
     module = hlo.parse(text)
     res.collectives = hlo.collective_summary(module)
     res.loops = hlo.executions(module)[1]
@@ -156,6 +163,40 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     if keep_hlo:
         res.hlo = text
     return res
+
+
+_MEMORY = ("argument_size_in_bytes", "temp_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+
+
+def compiler_output(lowered, mesh) -> tuple[dict[str, int], str]:
+    """Compile `lowered` -> ({memory figure: bytes}, the optimized HLO text); kept in $K2JAX_AOT_CACHE when set
+    (see the module's docstring). A refusal raises, and is not kept."""
+    cache = os.environ.get("K2JAX_AOT_CACHE")
+    path = None
+    if cache:
+        devices = mesh.devices
+        key = hashlib.sha256()
+        for part in (jax.__version__, devices.flat[0].client.platform_version, repr(devices.shape),
+                     repr(mesh.axis_names), os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+                     repr([(d.id, getattr(d, "coords", None), getattr(d, "core_on_chip", None)) for d in devices.flat]),
+                     lowered.as_text()):
+            key.update(str(part).encode() + b"\0")
+        path = pathlib.Path(cache) / f"{key.hexdigest()}.json.gz"
+        if path.exists():
+            with gzip.open(path, "rt") as f:
+                kept = json.load(f)
+            return kept["memory"], kept["hlo"]
+    compiled = lowered.compile()
+    mem = compiled.memory_analysis()
+    memory = {k: int(getattr(mem, k)) for k in _MEMORY}
+    text = compiled.as_text()
+    if path is not None:  # written whole, then renamed: a reader never sees half of it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with gzip.open(tmp, "wt") as f:
+            json.dump({"memory": memory, "hlo": text}, f)
+        os.replace(tmp, path)
+    return memory, text
 
 
 def estimate(p: Plan, runner: Runner, shape: StepShape, lowered) -> tuple[int, int]:

@@ -144,8 +144,8 @@ class Engine:
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
                  idle_chunk: int | None = None):
         if max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1 or (idle_chunk or 1) < 1:
-            raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}) and page_size "
-                             f"({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
+            raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
+                             f"and page_size ({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
         self.model, self.params, self.mesh = model, params, mesh
         self.max_len, self.max_queue, self.batch_wait_s = max_len, max_queue, batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
