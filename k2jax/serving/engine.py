@@ -143,13 +143,14 @@ class Engine:
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
                  idle_chunk: int | None = None):
-        if max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1 or (idle_chunk or 1) < 1:
+        if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
+                or (idle_chunk is not None and idle_chunk < 1)):
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
                              f"and page_size ({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
         self.model, self.params, self.mesh = model, params, mesh
         self.max_len, self.max_queue, self.batch_wait_s = max_len, max_queue, batch_wait_s
         self.prefill_chunk = min(prefill_chunk, max_len)
-        self.idle_chunk = min(max(idle_chunk or 4 * prefill_chunk, prefill_chunk), max_len)
+        self.idle_chunk = min(max(4 * prefill_chunk if idle_chunk is None else idle_chunk, prefill_chunk), max_len)
         self.detok, self.grammars, self.sync = detok, grammars, sync
         kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
         slots = round_up_slots(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
