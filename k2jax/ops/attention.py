@@ -36,7 +36,8 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     - impl "plain": attend_expanded under the whole [T, S] mask (the reference);
     - "auto", no cache (C == 0): attend_blocked (tiles above the diagonal skipped);
     - "auto" with a cache: attend_absorbed when it takes fewer flops than expanding the keys, i.e. for
-      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2), and T is at most one
+      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2; on XLA:CPU, absorbed flops
+      weighed CPU_ABSORBED_COST times, ~68 for Kimi K2), and T is at most one
       block (absorbed holds its [T, S] scores whole: with small ranks, 2R <= K + V, it is always the
       cheaper in flops, and a long chunk over a long prefix would take memory quadratic in length);
       else attend_blocked.
@@ -50,8 +51,9 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     args = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX)
     if impl == "plain":
         return attend_expanded(*args, causal_mask(kv_valid_BS, T), scale)
+    cost = CPU_ABSORBED_COST if jax.default_backend() == "cpu" else 1.0
     if S > T and T <= DEFAULT_BLOCK and absorbed_is_cheaper(T, ckv_BSR.shape[-1], q_nope_BTNK.shape[-1],
-                                                            w_kv_b_RNX.shape[-1]):
+                                                            w_kv_b_RNX.shape[-1], cost):
         return attend_absorbed(*args, causal_mask(kv_valid_BS, T), scale)
     return attend_blocked(*args, kv_valid_BS, scale)
 
@@ -63,10 +65,21 @@ def causal_mask(kv_valid_BS, T: int):
     return kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
 
 
-def absorbed_is_cheaper(T: int, R: int, K: int, X: int) -> bool:
+def absorbed_is_cheaper(T: int, R: int, K: int, X: int, cost: float = 1.0) -> bool:
     """Whether absorbed attention takes fewer flops than expanded for T queries: per (query, key) and head it
-    costs 2R + P against K + P + V expanded, but expanding costs R(K + V) per key and head (X = K + V)."""
-    return T * (2 * R - X) < R * X
+    costs 2R + P against K + P + V expanded, but expanding costs R(K + V) per key and head (X = K + V).
+    cost: what an absorbed flop costs against an expanded one (CPU_ABSORBED_COST on XLA:CPU)."""
+    return T * (2 * R - X) * cost < R * X
+
+
+# XLA:CPU workaround: the absorbed form's per-(query, key) flops run at well under the expanded form's rate
+# once T is more than a few queries (it holds [N, T, S] float32 scores whole; the expanded form's work is one
+# large matmul per stage). Measured, bench config, one row's step over 4096 cached keys, absorbed vs expanded:
+# 16 queries 75 vs 171 ms, 32: 146 vs 195, 64: 487 vs 222 (over 1024 keys: 61/71, 76/81, 157/97). Weighing
+# absorbed flops 2.5x puts the switch near 34 queries for that config (85 by flops), and keeps decode (T = 1)
+# absorbed for any config. A TPU program compiled ahead of time on a CPU host takes this choice too (it only
+# moves chunks of a few dozen to a few hundred tokens to the expanded form).
+CPU_ABSORBED_COST = 2.5
 
 
 def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
