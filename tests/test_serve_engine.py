@@ -82,7 +82,7 @@ def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows
         assert got[i] == solo(p), i
     assert (shapes[0].rows, shapes[0].tokens, shapes[0].read_pages) == (4, 16, 0)  # all three at once
     later = [s for s in shapes if s.tokens > 1 and s.read_pages > 0]
-    assert [(s.rows, s.tokens) for s in later] == [(1, 16)]  # the long prompt's last 5 tokens
+    assert [(s.rows, s.tokens) for s in later] == [(1, 8)]  # the long prompt's last 5 tokens (a size of 8)
     # 2 decoding while it prefills, then all 3 (a bucket of 4), then the long one alone: it started a step late
     assert [s.rows for s in shapes if s.tokens == 1] == [2] + [4] * (N - 2) + [1]
 
@@ -112,6 +112,48 @@ def test_a_lone_prompt_takes_idle_chunks_and_a_prompt_beside_decodes_takes_prefi
     assert prefills and max(prefills) == 16, shapes  # beside a decoding row: prefill_chunk at most
     # the idle engine default: 4 x prefill_chunk, at most max_len
     assert _engine(model_params).idle_chunk == 64 and _engine(model_params, max_len=40).idle_chunk == 40
+
+
+def test_chunks_beside_decodes_are_cut_to_one_first_chunks_time(model_params, solo):
+    """With the steps' times known (here a table in which a later chunk costs more the more it re-reads), a
+    prompt arriving while another request decodes is prefilled in chunks cut so that each engine step (its
+    chunk and the decode) takes no longer than a first chunk of prefill_chunk tokens alone, or, where nothing
+    fits, the quickest chunk. Outputs still equal generate's; without the times the chunks stay whole."""
+    eng = _engine(model_params, max_len=128, prefill_chunk=16)
+    assert eng.sched.later_sizes == [2, 4, 8, 16, 64]
+
+    def cost(shape):  # seconds: a first chunk by its tokens; a later one also by the pages it re-reads
+        if shape.tokens == 1:
+            return 0.002 * shape.rows
+        return 0.001 * shape.tokens * (1 + shape.read_pages / 4)
+
+    eng.sched.step_s = {sh: cost(sh) for sh in eng.sched.timed_shapes()}
+    budget = eng.sched.stall_budget_s()
+    assert budget == 0.016  # the first chunk of 16 tokens
+    steps = []
+    run = eng.runner.step
+    eng.runner.step = lambda shape, batch: steps[-1].append(shape) or run(shape, batch)
+    short, long = _prompts(8, (5, 50))
+    ev = {0: [], 1: []}
+    eng.submit(Request(short, SamplingParams(max_tokens=40), ev[0].append))
+    steps.append([])
+    eng.step()  # the short prompt's chunk: it decodes from now on
+    eng.submit(Request(long, SamplingParams(max_tokens=N), ev[1].append))
+    while not all(e and e[-1].finish_reason for e in ev.values()):
+        steps.append([])
+        eng.step()
+    assert [t for e in ev[1] for t in e.token_ids] == solo(long)
+    assert [t for e in ev[0] for t in e.token_ids] == solo(short, 40)
+    beside = [st for st in steps[1:] if any(s.tokens > 1 for s in st) and any(s.tokens == 1 for s in st)]
+    assert len(beside) > 50 // 16 + 1  # more steps than whole chunks would take
+    for st in beside:  # later chunks fit (a first one cannot here: its smallest size, 16 tokens, is the budget)
+        if any(s.tokens > 1 and s.read_pages > 0 for s in st):
+            assert sum(map(cost, st)) <= budget + 1e-9, st
+    sizes = {s.tokens for st in beside for s in st if s.tokens > 1 and s.read_pages > 0}
+    assert sizes & {2, 4, 8}, sizes  # later chunks cut below prefill_chunk
+
+    plain = _engine(model_params, max_len=128, prefill_chunk=16, stall_bound=False)
+    assert plain.sched.later_sizes == [16, 64] and plain.sched.timed_shapes() == []
 
 
 def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefill(model_params):

@@ -136,13 +136,15 @@ class Engine:
     pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
     `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst).
     `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
-    none does (default 4 x prefill_chunk; at most max_len)."""
+    none does (default 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the steps, and
+    the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
+    prefill_chunk tokens (see k2jax.serving.scheduler); False: chunks of prefill_chunk whatever they cost."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
-                 idle_chunk: int | None = None):
+                 idle_chunk: int | None = None, stall_bound: bool = True):
         if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
                 or (idle_chunk is not None and idle_chunk < 1)):
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
@@ -167,7 +169,8 @@ class Engine:
         self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=page_size,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
-        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk)
+        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
+                               stall_bound=stall_bound)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []
@@ -252,16 +255,42 @@ class Engine:
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
 
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
-        """Compile every step the scheduler can ask for; -> seconds. progress(k, n, what) after the k-th of
-        n programs compiled."""
+        """Compile every step the scheduler can ask for, then (stall_bound) time the steps it weighs;
+        -> seconds. progress(k, n, what) after the k-th of n programs compiled."""
         def report(k, n, shape):
             if progress is not None:
                 what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
                         f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
                 progress(k, n, f"{what}, reading {shape.read_pages * self.pool.page_size} cached tokens")
 
+        t0 = time.perf_counter()
         with self._context():
-            return self.runner.compile(self.sched.shapes(), report)
+            self.runner.compile(self.sched.shapes(), report)
+            self.sched.step_s = self.time_steps(self.sched.timed_shapes())
+        return time.perf_counter() - t0
+
+    def time_steps(self, shapes, repeats: int = 2) -> dict:
+        """{shape: seconds} of one step of each shape on a batch that writes nothing (the fastest of
+        `repeats` after a first run). Call before any request runs (the steps overwrite the trash pages).
+        Under jax.distributed every process takes process 0's times: their schedulers must decide alike."""
+        shapes = sorted(shapes)
+        times, rng = [], np.random.default_rng(0)
+        for shape in shapes:
+            batch = host_batch(shape, self.model.cfg.vocab_size)
+            # Tokens spread over the vocabulary, so the router spreads them over the experts as real text
+            # does (one id repeated would send every token to the same few); count 0: nothing is written.
+            batch["tokens"][:] = rng.integers(0, self.model.cfg.vocab_size, batch["tokens"].shape)
+            best = float("inf")
+            for i in range(repeats + 1):
+                t = time.perf_counter()
+                jax.block_until_ready(self.runner.step(shape, batch))
+                best = best if i == 0 else min(best, time.perf_counter() - t)
+            times.append(best)
+        if jax.process_count() > 1 and shapes:
+            from jax.experimental import multihost_utils
+
+            times = multihost_utils.broadcast_one_to_all(np.array(times, np.float64)).tolist()
+        return dict(zip(shapes, times))
 
     def run_follower(self) -> None:
         """A process other than 0 under jax.distributed: step whenever process 0 does, until it stops."""

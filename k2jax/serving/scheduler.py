@@ -10,7 +10,12 @@ what each row sampled.
   takes a free slot on the shard whose prefix cache holds most of its prompt (then the one with most room),
   and pages from that shard only.
 - A step prefills at most `prefill_chunk` prompt tokens while rows decode (so a long prompt stalls the
-  decodes by at most one chunk), in whole chunks, first come first served; while none decodes, the first
+  decodes by at most one chunk), first come first served. Given the steps' times (`step_s`, which the engine
+  measures at warm-up), a step's chunks are also cut so that they and the decode step take no longer than a
+  first chunk of `prefill_chunk` tokens alone: a later chunk re-reads its whole cached prefix (expanding it
+  per head) and attends over it, so at the same token count it takes up to 2.5x a first chunk's time (bench
+  config, 512 tokens over 3584 cached), and the decoding rows would wait that long. A step that fits nothing
+  still takes the quickest chunk of the first prompt waiting (it goes on). While none decodes, the first
   chunks of all waiting prompts run in one batch, and a lone prompt takes chunks of up to `idle_chunk`
   tokens (nobody waits on it, and a longer chunk runs at a better rate: its experts see more tokens each, and
   fewer later chunks re-read the prefix).
@@ -87,6 +92,15 @@ def pow2_upto(n: int, lo: int = 1) -> list[int]:
     return sorted({min(n, 1 << i) for i in range(max(lo, 1).bit_length() - 1, n.bit_length() + 1)} | {n})
 
 
+def between(sizes: list[int]) -> list[int]:
+    """sizes (ascending) with 3/2 of each inserted before its double where that falls between them."""
+    out = set(sizes)
+    for a, b in zip(sizes, sizes[1:]):
+        if b == 2 * a and a % 2 == 0:
+            out.add(3 * a // 2)
+    return sorted(out)
+
+
 def bucket(n: int, sizes) -> int:
     """The smallest of `sizes` that holds n."""
     return next(s for s in sorted(sizes) if s >= n)
@@ -96,10 +110,13 @@ class Scheduler:
     """slots: rows of per-slot state (a multiple of shards); pool: the pages; max_len: tokens per sequence;
     prefill_chunk: most prompt tokens per step while rows decode; idle_chunk (>= prefill_chunk, default
     prefill_chunk): most prompt tokens per step while none decodes; min_read_tokens: the smallest cache read
-    a step makes (fewer programs: reading a few more tokens costs little)."""
+    a step makes (fewer programs: reading a few more tokens costs little). stall_bound: later chunks also come
+    in powers of two below prefill_chunk (down to an eighth of it), and once `step_s` holds the steps' times ({StepShape: seconds}, see
+    `timed_shapes`) the chunks beside decoding rows are cut to one first chunk's time (see the module
+    docstring); False: chunks of prefill_chunk tokens whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
-                 idle_chunk: int | None = None):
+                 idle_chunk: int | None = None, stall_bound: bool = True):
         self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
         self.idle = max(prefill_chunk, idle_chunk or prefill_chunk)
         self.shards = pool.shards
@@ -113,8 +130,18 @@ class Scheduler:
         # The shapes a step can take (Engine.warm_up compiles them all).
         self.max_pages = -(-max_len // self.page_size)
         self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.page_size))
+        # A later chunk's cost grows with the pages it reads (it expands them per head): it reads buckets half
+        # a power of two apart, so at most a third more than it holds, where a decode (whose cost the cache
+        # read hardly moves) reads powers of two.
+        self.chunk_read_buckets = ([0] + between(self.read_buckets[1:]) if stall_bound else self.read_buckets)
         self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
-        self.chunk_sizes = pow2_upto(self.idle, lo=min(64, prefill_chunk))
+        self.chunk_sizes = pow2_upto(self.idle, lo=min(64, prefill_chunk))  # a first chunk's tokens
+        # Cut later chunks: powers of two from an eighth of prefill_chunk (a step that cannot fit its cut in
+        # one chunk's time at the smallest size takes the quickest anyway: smaller ones only add steps).
+        small = pow2_upto(prefill_chunk, lo=max(1, prefill_chunk // 8)) if stall_bound else [prefill_chunk]
+        self.later_sizes = sorted(set(small) | {self.idle})  # a later chunk's tokens
+        self.stall_bound = stall_bound
+        self.step_s: dict[StepShape, float] = {}
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
@@ -125,9 +152,33 @@ class Scheduler:
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
-        out += [StepShape(1, T, r, self.table_pages(r, T)) for r in self.read_buckets[1:]
-                for T in {self.chunk, self.idle}]  # a later chunk
+        out += [StepShape(1, T, r, self.table_pages(r, T)) for r in self.chunk_read_buckets[1:]
+                for T in self.later_sizes]  # a later chunk
         return sorted(set(out))
+
+    def timed_shapes(self) -> list[StepShape]:
+        """The shapes whose times the stall bound weighs (`step_s`): every decode, and one row's chunks of up
+        to prefill_chunk tokens."""
+        if not self.stall_bound:
+            return []
+        return [s for s in self.shapes() if s.tokens == 1 or (s.rows == 1 and s.tokens <= self._first_size())]
+
+    def stall_budget_s(self) -> float | None:
+        """What a step beside decoding rows may take: a first chunk of prefill_chunk tokens' time (None until
+        the steps are timed, or without the stall bound)."""
+        if not (self.stall_bound and self.step_s):
+            return None
+        return self.step_s[StepShape(1, self._first_size(), 0, self.table_pages(0, self._first_size()))]
+
+    def _first_size(self) -> int:
+        return bucket(self.chunk, self.chunk_sizes)
+
+    def _chunk_shape(self, seq: Seq, n: int) -> StepShape:
+        """The step shape of seq's next n prompt tokens: a first chunk at the smallest size that holds it, a
+        later one at the smallest later size, reading the pages that hold its cached tokens."""
+        read = 0 if seq.cached == 0 else bucket(self._pages_for(seq.cached), self.chunk_read_buckets[1:])
+        T = bucket(n, self.chunk_sizes if read == 0 else self.later_sizes)
+        return StepShape(1, T, read, self.table_pages(read, T))
 
     # --- admission -------------------------------------------------------------------------------------
     def fits(self, n_tokens: int) -> bool:
@@ -177,9 +228,14 @@ class Scheduler:
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
         fresh = [s for s in prefilling if s.cached == 0]
+        sizes = {}  # id(seq) -> the shape its chunk takes, where not the smallest that holds it
         batched = len(fresh) > 1 and not decoding  # nothing waits on this step: every first chunk in one batch
         if batched:
             chunks = [(s, min(s.pending, self.chunk)) for s in fresh]
+        elif decoding and self.stall_budget_s() is not None:
+            timed = self._timed_chunks(prefilling, decoding)
+            chunks = [(s, n) for s, n, _ in timed]
+            sizes = {id(s): shape for s, _, shape in timed}
         else:
             limit = self.chunk if decoding else self.idle
             chunks, budget = [], limit
@@ -198,14 +254,48 @@ class Scheduler:
         if batched and chunks:
             calls.append(self._call(chunks, self.chunk, 0))
         else:
-            for s, n in chunks:  # a first chunk at the smallest size that holds it; a later one at a full size
-                read = 0 if s.cached == 0 else bucket(self._pages_for(s.cached), self.read_buckets[1:])
-                T = bucket(n, self.chunk_sizes) if read == 0 else self.chunk if n <= self.chunk else self.idle
-                calls.append(self._call([(s, n)], T, read))
+            for s, n in chunks:
+                shape = sizes.get(id(s)) or self._chunk_shape(s, n)
+                calls.append(self._call([(s, n)], shape.tokens, shape.read_pages))
         if decoding:
-            read = bucket(max(self._pages_for(s.cached) for s in decoding), self.read_buckets[1:])
-            calls.append(self._call([(s, 1) for s in decoding], 1, read))
+            calls.append(self._decode_call(decoding))
         return calls
+
+    def _decode_call(self, decoding: list[Seq]) -> Call:
+        read = bucket(max(self._pages_for(s.cached) for s in decoding), self.read_buckets[1:])
+        return self._call([(s, 1) for s in decoding], 1, read)
+
+    def _timed_chunks(self, prefilling: list[Seq], decoding: list[Seq]) -> list[tuple[Seq, int, StepShape]]:
+        """The chunks beside the decoding rows, (seq, tokens, step shape) each: first come first served, each
+        the most tokens (at most prefill_chunk in all) whose step, with the chunks before it and the decode
+        step, fits one first chunk's time, in the quickest shape that holds them (not always the smallest: a
+        small chunk over a long prefix can take attention's absorbed form, which XLA:CPU runs slower); at least
+        the quickest chunk of the first prompt waiting."""
+        left = self.stall_budget_s() - self.step_s.get(self._decode_call(decoding).shape, 0.0)
+        tokens, chunks = self.chunk, []
+        for s in prefilling:
+            read = self._chunk_shape(s, 1).read_pages
+            options = []  # (tokens, seconds, shape) for each size it could take
+            for T in (self.chunk_sizes if s.cached == 0 else self.later_sizes):
+                n = min(s.pending, T, tokens)
+                shape = StepShape(1, T, read, self.table_pages(read, T))
+                if n > 0 and shape in self.step_s:
+                    options.append((n, self.step_s[shape], shape))
+            fits = [o for o in options if o[1] <= left]
+            if fits:
+                n, sec, shape = max(fits, key=lambda o: (o[0], -o[1]))
+            elif not chunks and options:
+                n, sec, shape = min(options, key=lambda o: (o[1], -o[0]))
+            elif not chunks:  # no time for any of its shapes: a whole chunk, as without the bound
+                n = min(s.pending, tokens)
+                sec, shape = 0.0, self._chunk_shape(s, n)
+            else:
+                break
+            chunks.append((s, n, shape))
+            left, tokens = left - sec, tokens - n
+            if n < s.pending or tokens == 0:
+                break
+        return chunks
 
     def _grow(self, seq: Seq, n: int) -> bool:
         """Pages for seq's next n tokens, preempting the newest sequences of its shard if none are left;

@@ -76,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most prompt tokens per engine step while no request decodes: a lone long prompt runs in "
                         "fewer, longer chunks, which take less time in all (default 4 x --prefill-chunk, at most "
                         "--max-len)")
+    p.add_argument("--fixed-chunks", action="store_true",
+                   help="while requests decode, prefill in chunks of --prefill-chunk tokens whatever they cost. By "
+                        "default the server times its steps at start-up and cuts the chunks beside decoding requests "
+                        "so that no step takes longer than a first chunk of --prefill-chunk tokens: a later chunk "
+                        "also reads and attends over the whole cached prefix, and without the cut the decoding "
+                        "requests wait up to about 2.5x as long per token while a long prompt prefills (at the cost "
+                        "of more, smaller chunks for that prompt)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
                    help="an idle server waits up to this long after a request for others arriving with it, so a "
                         "burst is prefilled in one batch (a wait also ends when a quarter of it passes with no new "
@@ -309,14 +316,17 @@ def _run(args, sock) -> int:
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
-                    grammars=_grammars(tok, model.cfg), idle_chunk=args.idle_prefill_chunk)
+                    grammars=_grammars(tok, model.cfg), idle_chunk=args.idle_prefill_chunk,
+                    stall_bound=not args.fixed_chunks)
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
-    log.info(f"compiled the engine steps in {compile_s:.1f} s (prefill chunks of up to {engine.prefill_chunk} "
-             f"tokens while requests decode, {engine.idle_chunk} while none does)")
+    budget = engine.sched.stall_budget_s()
+    bound = "" if budget is None else f", cut to a first chunk's {budget * 1e3:.0f} ms a step"
+    log.info(f"compiled and timed the engine steps in {compile_s:.1f} s (prefill chunks of up to "
+             f"{engine.prefill_chunk} tokens while requests decode{bound}, {engine.idle_chunk} while none does)")
     if not dist.is_main():
         # A supervisor may signal every process: the followers step until process 0 tells them to stop.
         for sig in (signal.SIGTERM, signal.SIGINT):
