@@ -82,7 +82,7 @@ def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows
         assert got[i] == solo(p), i
     assert (shapes[0].rows, shapes[0].tokens, shapes[0].read_pages) == (4, 16, 0)  # all three at once
     later = [s for s in shapes if s.tokens > 1 and s.read_pages > 0]
-    assert [(s.rows, s.tokens) for s in later] == [(1, 8)]  # the long prompt's last 5 tokens (a size of 8)
+    assert [(s.rows, s.tokens) for s in later] == [(1, 16)]  # the long prompt's last 5 tokens
     # 2 decoding while it prefills, then all 3 (a bucket of 4), then the long one alone: it started a step late
     assert [s.rows for s in shapes if s.tokens == 1] == [2] + [4] * (N - 2) + [1]
 
@@ -119,8 +119,9 @@ def test_chunks_beside_decodes_are_cut_to_one_first_chunks_time(model_params, so
     prompt arriving while another request decodes is prefilled in chunks cut so that each engine step (its
     chunk and the decode) takes no longer than a first chunk of prefill_chunk tokens alone, or, where nothing
     fits, the quickest chunk. Outputs still equal generate's; without the times the chunks stay whole."""
-    eng = _engine(model_params, max_len=128, prefill_chunk=16)
-    assert eng.sched.later_sizes == [2, 4, 8, 16, 64]
+    eng = _engine(model_params, max_len=128, prefill_chunk=16, min_chunk=1)
+    assert eng.sched.later_sizes == [2, 4, 8, 16, 64]  # down to an eighth of prefill_chunk
+    assert _engine(model_params, max_len=128, prefill_chunk=16).sched.later_sizes == [16, 64]  # min_chunk 64
 
     def cost(shape):  # seconds: a first chunk by its tokens; a later one also by the pages it re-reads
         if shape.tokens == 1:

@@ -138,13 +138,14 @@ class Engine:
     `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
     none does (default 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the steps, and
     the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
-    prefill_chunk tokens (see k2jax.serving.scheduler); False: chunks of prefill_chunk whatever they cost."""
+    prefill_chunk tokens (see k2jax.serving.scheduler), in powers of two down to `min_chunk` tokens (or an
+    eighth of prefill_chunk); False: chunks of prefill_chunk whatever they cost."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
-                 idle_chunk: int | None = None, stall_bound: bool = True):
+                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
         if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
                 or (idle_chunk is not None and idle_chunk < 1)):
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
@@ -170,7 +171,7 @@ class Engine:
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
         self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
-                               stall_bound=stall_bound)
+                               stall_bound=stall_bound, min_chunk=min_chunk)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []

@@ -111,12 +111,12 @@ class Scheduler:
     prefill_chunk: most prompt tokens per step while rows decode; idle_chunk (>= prefill_chunk, default
     prefill_chunk): most prompt tokens per step while none decodes; min_read_tokens: the smallest cache read
     a step makes (fewer programs: reading a few more tokens costs little). stall_bound: later chunks also come
-    in powers of two below prefill_chunk (down to an eighth of it), and once `step_s` holds the steps' times ({StepShape: seconds}, see
+    in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more), and once `step_s` holds the steps' times ({StepShape: seconds}, see
     `timed_shapes`) the chunks beside decoding rows are cut to one first chunk's time (see the module
     docstring); False: chunks of prefill_chunk tokens whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
-                 idle_chunk: int | None = None, stall_bound: bool = True):
+                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
         self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
         self.idle = max(prefill_chunk, idle_chunk or prefill_chunk)
         self.shards = pool.shards
@@ -136,9 +136,11 @@ class Scheduler:
         self.chunk_read_buckets = ([0] + between(self.read_buckets[1:]) if stall_bound else self.read_buckets)
         self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
         self.chunk_sizes = pow2_upto(self.idle, lo=min(64, prefill_chunk))  # a first chunk's tokens
-        # Cut later chunks: powers of two from an eighth of prefill_chunk (a step that cannot fit its cut in
-        # one chunk's time at the smallest size takes the quickest anyway: smaller ones only add steps).
-        small = pow2_upto(prefill_chunk, lo=max(1, prefill_chunk // 8)) if stall_bound else [prefill_chunk]
+        # Cut later chunks: powers of two from min_chunk (or an eighth of prefill_chunk, if more: a step that
+        # cannot fit one chunk's time at the smallest size takes the quickest anyway; smaller ones would only
+        # add programs and steps).
+        lo = min(prefill_chunk, max(min_chunk, prefill_chunk // 8))
+        small = pow2_upto(prefill_chunk, lo=lo) if stall_bound else [prefill_chunk]
         self.later_sizes = sorted(set(small) | {self.idle})  # a later chunk's tokens
         self.stall_bound = stall_bound
         self.step_s: dict[StepShape, float] = {}
