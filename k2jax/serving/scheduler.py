@@ -111,9 +111,10 @@ class Scheduler:
     prefill_chunk: most prompt tokens per step while rows decode; idle_chunk (>= prefill_chunk, default
     prefill_chunk): most prompt tokens per step while none decodes; min_read_tokens: the smallest cache read
     a step makes (fewer programs: reading a few more tokens costs little). stall_bound: later chunks also come
-    in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more), and once `step_s` holds the steps' times ({StepShape: seconds}, see
-    `timed_shapes`) the chunks beside decoding rows are cut to one first chunk's time (see the module
-    docstring); False: chunks of prefill_chunk tokens whatever they cost."""
+    in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more) and read
+    finer page buckets, and once `step_s` holds the steps' times ({StepShape: seconds}, see `timed_shapes`)
+    the chunks beside decoding rows are cut to one first chunk's time (see the module docstring); False:
+    chunks of prefill_chunk tokens whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
                  idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
@@ -270,8 +271,8 @@ class Scheduler:
     def _timed_chunks(self, prefilling: list[Seq], decoding: list[Seq]) -> list[tuple[Seq, int, StepShape]]:
         """The chunks beside the decoding rows, (seq, tokens, step shape) each: first come first served, each
         the most tokens (at most prefill_chunk in all) whose step, with the chunks before it and the decode
-        step, fits one first chunk's time, in the quickest shape that holds them (not always the smallest: a
-        small chunk over a long prefix can take attention's absorbed form, which XLA:CPU runs slower); at least
+        step, fits one first chunk's time, in the quickest shape that holds them (not always the smallest: the
+        attention form, and so the cost, follows the size; k2jax.ops.attention.attend); at least
         the quickest chunk of the first prompt waiting."""
         left = self.stall_budget_s() - self.step_s.get(self._decode_call(decoding).shape, 0.0)
         tokens, chunks = self.chunk, []
