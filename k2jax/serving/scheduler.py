@@ -92,15 +92,6 @@ def pow2_upto(n: int, lo: int = 1) -> list[int]:
     return sorted({min(n, 1 << i) for i in range(max(lo, 1).bit_length() - 1, n.bit_length() + 1)} | {n})
 
 
-def between(sizes: list[int]) -> list[int]:
-    """sizes (ascending) with 3/2 of each inserted before its double where that falls between them."""
-    out = set(sizes)
-    for a, b in zip(sizes, sizes[1:]):
-        if b == 2 * a and a % 2 == 0:
-            out.add(3 * a // 2)
-    return sorted(out)
-
-
 def bucket(n: int, sizes) -> int:
     """The smallest of `sizes` that holds n."""
     return next(s for s in sorted(sizes) if s >= n)
@@ -111,10 +102,10 @@ class Scheduler:
     prefill_chunk: most prompt tokens per step while rows decode; idle_chunk (>= prefill_chunk, default
     prefill_chunk): most prompt tokens per step while none decodes; min_read_tokens: the smallest cache read
     a step makes (fewer programs: reading a few more tokens costs little). stall_bound: later chunks also come
-    in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more) and read
-    finer page buckets, and once `step_s` holds the steps' times ({StepShape: seconds}, see `timed_shapes`)
-    the chunks beside decoding rows are cut to one first chunk's time (see the module docstring); False:
-    chunks of prefill_chunk tokens whatever they cost."""
+    in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more), and once
+    `step_s` holds the steps' times ({StepShape: seconds}, see `timed_shapes`) the chunks beside decoding rows
+    are cut to one first chunk's time (see the module docstring); False: chunks of prefill_chunk tokens
+    whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
                  idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
@@ -131,10 +122,6 @@ class Scheduler:
         # The shapes a step can take (Engine.warm_up compiles them all).
         self.max_pages = -(-max_len // self.page_size)
         self.read_buckets = [0] + pow2_upto(self.max_pages, lo=-(-min_read_tokens // self.page_size))
-        # A later chunk's cost grows with the pages it reads (it expands them per head): it reads buckets half
-        # a power of two apart, so at most a third more than it holds, where a decode (whose cost the cache
-        # read hardly moves) reads powers of two.
-        self.chunk_read_buckets = ([0] + between(self.read_buckets[1:]) if stall_bound else self.read_buckets)
         self.row_buckets = sorted({1} | {self.shards * k for k in pow2_upto(self.per_shard)})
         self.chunk_sizes = pow2_upto(self.idle, lo=min(64, prefill_chunk))  # a first chunk's tokens
         # Cut later chunks: powers of two from min_chunk (or an eighth of prefill_chunk, if more: a step that
@@ -155,7 +142,7 @@ class Scheduler:
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
-        out += [StepShape(1, T, r, self.table_pages(r, T)) for r in self.chunk_read_buckets[1:]
+        out += [StepShape(1, T, r, self.table_pages(r, T)) for r in self.read_buckets[1:]
                 for T in self.later_sizes]  # a later chunk
         return sorted(set(out))
 
@@ -179,7 +166,7 @@ class Scheduler:
     def _chunk_shape(self, seq: Seq, n: int) -> StepShape:
         """The step shape of seq's next n prompt tokens: a first chunk at the smallest size that holds it, a
         later one at the smallest later size, reading the pages that hold its cached tokens."""
-        read = 0 if seq.cached == 0 else bucket(self._pages_for(seq.cached), self.chunk_read_buckets[1:])
+        read = 0 if seq.cached == 0 else bucket(self._pages_for(seq.cached), self.read_buckets[1:])
         T = bucket(n, self.chunk_sizes if read == 0 else self.later_sizes)
         return StepShape(1, T, read, self.table_pages(read, T))
 
