@@ -149,6 +149,25 @@ def test_the_api_key_guards_the_api_but_not_health(ops):
     assert len(r.choices[0].token_ids) >= 1
 
 
+def test_a_cpu_server_near_the_memory_map_limit_warns_before_compiling(caplog):
+    """XLA:CPU maps each program's code piecewise; past vm.max_map_count compiling crashes the process. The
+    server warns before compiling when its programs may come near that limit, and not otherwise."""
+    import logging
+
+    from k2jax.serving import server
+
+    try:
+        limit = int(open("/proc/sys/vm/max_map_count").read())
+    except OSError:
+        pytest.skip("no /proc/sys/vm/max_map_count")
+    log = logging.getLogger("k2jax-test-maps")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        server._check_map_count(1, log)
+        assert not caplog.records
+        server._check_map_count(limit // server.MAPS_PER_CPU_PROGRAM + 1, log)
+    assert "vm.max_map_count" in caplog.text and "--fixed-chunks" in caplog.text
+
+
 def test_the_logs_say_what_the_server_does(ops):
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{ops.port}/v1", api_key=KEY, max_retries=0)
     c.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=7, temperature=0,
@@ -162,6 +181,7 @@ def test_the_logs_say_what_the_server_does(ops):
     log = ops.log()
     n = int(log.split("compiling 1/")[1].split(":")[0])
     assert all(f"compiling {k}/{n}: " in log for k in range(1, n + 1))
+    assert "compiled and timed the engine steps" in log and "cut to a first chunk's " in log
     assert "compute dtype float32, weights float32" in log and "cache float32" in log
     lines = log.splitlines()
     assert any('"POST /v1/completions" 200 prompt_tokens=4 completion_tokens=7 ttft=' in ln and " total=" in ln

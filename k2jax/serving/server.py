@@ -243,6 +243,28 @@ def _check_flags(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
 
 
+# XLA:CPU maps each compiled program's code into memory piece by piece: measured about 650 maps per engine step
+# program (bench config; 37.5 k maps for 56 programs). Past the kernel's vm.max_map_count LLVM fails with
+# "Cannot allocate memory" and the process crashes (a 32-slot bench server's 97 programs did).
+MAPS_PER_CPU_PROGRAM = 700
+
+
+def _check_map_count(programs: int, log) -> None:
+    """Warn, before compiling, when the step programs of an XLA:CPU server may exceed vm.max_map_count."""
+    import jax
+
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return
+    if jax.default_backend() == "cpu" and programs * MAPS_PER_CPU_PROGRAM > 0.9 * limit:
+        log.warning(f"{programs} step programs to compile may take about {programs * MAPS_PER_CPU_PROGRAM} memory "
+                    f"maps on XLA:CPU, near vm.max_map_count ({limit}); past it compiling fails ('Cannot allocate "
+                    f"memory') and the process crashes. Fewer programs: a smaller --max-batch or --max-len, "
+                    f"--fixed-chunks; or raise vm.max_map_count")
+
+
 def _bytes_by_dtype(tree) -> str:
     """'float32 1.23 GB' or 'bfloat16 402.00 MB + int4 301.00 MB ...': the leaves' bytes per dtype, most first."""
     import jax
@@ -322,6 +344,7 @@ def _run(args, sock) -> int:
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
+    _check_map_count(len(engine.sched.shapes()), log)
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
     budget = engine.sched.stall_budget_s()
     bound = "" if budget is None else f", cut to a first chunk's {budget * 1e3:.0f} ms a step"
