@@ -348,7 +348,7 @@ def _run(args, sock) -> int:
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
     budget = engine.sched.stall_budget_s()
     bound = "" if budget is None else f", cut to a first chunk's {budget * 1e3:.0f} ms a step"
-    log.info(f"compiled and timed the engine steps in {compile_s:.1f} s (prefill chunks of up to "
+    log.info(f"compiled {'and timed ' if bound else ''}the engine steps in {compile_s:.1f} s (prefill chunks of up to "
              f"{engine.prefill_chunk} tokens while requests decode{bound}, {engine.idle_chunk} while none does)")
     if not dist.is_main():
         # A supervisor may signal every process: the followers step until process 0 tells them to stop.
