@@ -118,7 +118,8 @@ def test_chunks_beside_decodes_are_cut_to_one_first_chunks_time(model_params, so
     """With the steps' times known (here a table in which a later chunk costs more the more it re-reads), a
     prompt arriving while another request decodes is prefilled in chunks cut so that each engine step (its
     chunk and the decode) takes no longer than a first chunk of prefill_chunk tokens alone, or, where nothing
-    fits, the quickest chunk. Outputs still equal generate's; without the times the chunks stay whole."""
+    fits, the quickest chunk. Outputs still equal generate's; without the bound (stall_bound=False) there are
+    no smaller sizes and nothing is timed."""
     eng = _engine(model_params, max_len=128, prefill_chunk=16, min_chunk=1)
     assert eng.sched.later_sizes == [2, 4, 8, 16, 64]  # down to an eighth of prefill_chunk
     assert _engine(model_params, max_len=128, prefill_chunk=16).sched.later_sizes == [16, 64]  # min_chunk 64

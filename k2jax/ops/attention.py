@@ -78,7 +78,7 @@ def absorbed_is_cheaper(T: int, R: int, K: int, X: int, cost: float = 1.0) -> bo
 # 16 queries 75 vs 171 ms, 32: 146 vs 195, 64: 487 vs 222 (over 1024 keys: 61/71, 76/81, 157/97). Weighing
 # absorbed flops 2.5x puts the switch near 34 queries for that config (85 by flops), and keeps decode (T = 1)
 # absorbed for any config. A TPU program compiled ahead of time on a CPU host takes this choice too (it only
-# moves chunks of a few dozen to a few hundred tokens to the expanded form).
+# moves chunks of a few dozen tokens to the expanded form; for Kimi K2, 68 to 170).
 CPU_ABSORBED_COST = 2.5
 
 

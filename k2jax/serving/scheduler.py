@@ -166,9 +166,13 @@ class Scheduler:
     def _chunk_shape(self, seq: Seq, n: int) -> StepShape:
         """The step shape of seq's next n prompt tokens: a first chunk at the smallest size that holds it, a
         later one at the smallest later size, reading the pages that hold its cached tokens."""
-        read = 0 if seq.cached == 0 else bucket(self._pages_for(seq.cached), self.read_buckets[1:])
+        read = self._read_pages(seq.cached)
         T = bucket(n, self.chunk_sizes if read == 0 else self.later_sizes)
         return StepShape(1, T, read, self.table_pages(read, T))
+
+    def _read_pages(self, cached: int) -> int:
+        """The pages a step reads for a row holding `cached` tokens: none, or the bucket that holds them."""
+        return 0 if cached == 0 else bucket(self._pages_for(cached), self.read_buckets[1:])
 
     # --- admission -------------------------------------------------------------------------------------
     def fits(self, n_tokens: int) -> bool:
@@ -218,14 +222,12 @@ class Scheduler:
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
         fresh = [s for s in prefilling if s.cached == 0]
-        sizes = {}  # id(seq) -> the shape its chunk takes, where not the smallest that holds it
         batched = len(fresh) > 1 and not decoding  # nothing waits on this step: every first chunk in one batch
+        # chunks: (seq, tokens, the step shape, or None for the smallest that holds them)
         if batched:
-            chunks = [(s, min(s.pending, self.chunk)) for s in fresh]
+            chunks = [(s, min(s.pending, self.chunk), None) for s in fresh]
         elif decoding and self.stall_budget_s() is not None:
-            timed = self._timed_chunks(prefilling, decoding)
-            chunks = [(s, n) for s, n, _ in timed]
-            sizes = {id(s): shape for s, _, shape in timed}
+            chunks = self._timed_chunks(prefilling, decoding)
         else:
             limit = self.chunk if decoding else self.idle
             chunks, budget = [], limit
@@ -233,26 +235,26 @@ class Scheduler:
                 n = min(s.pending, limit)
                 if n > budget:
                     break
-                chunks.append((s, n))
+                chunks.append((s, n, None))
                 budget -= n
-        for s, n in chunks + [(s, 1) for s in decoding]:
+        for s, n, _ in chunks + [(s, 1, None) for s in decoding]:
             if s.slot >= 0:
                 self._grow(s, n)
-        chunks = [(s, n) for s, n in chunks if s.slot >= 0]
+        chunks = [c for c in chunks if c[0].slot >= 0]
         decoding = [s for s in decoding if s.slot >= 0]
         calls = []
         if batched and chunks:
-            calls.append(self._call(chunks, self.chunk, 0))
+            calls.append(self._call([(s, n) for s, n, _ in chunks], self.chunk, 0))
         else:
-            for s, n in chunks:
-                shape = sizes.get(id(s)) or self._chunk_shape(s, n)
+            for s, n, shape in chunks:
+                shape = shape or self._chunk_shape(s, n)
                 calls.append(self._call([(s, n)], shape.tokens, shape.read_pages))
         if decoding:
             calls.append(self._decode_call(decoding))
         return calls
 
     def _decode_call(self, decoding: list[Seq]) -> Call:
-        read = bucket(max(self._pages_for(s.cached) for s in decoding), self.read_buckets[1:])
+        read = self._read_pages(max(s.cached for s in decoding))
         return self._call([(s, 1) for s in decoding], 1, read)
 
     def _timed_chunks(self, prefilling: list[Seq], decoding: list[Seq]) -> list[tuple[Seq, int, StepShape]]:
@@ -264,7 +266,7 @@ class Scheduler:
         left = self.stall_budget_s() - self.step_s.get(self._decode_call(decoding).shape, 0.0)
         tokens, chunks = self.chunk, []
         for s in prefilling:
-            read = self._chunk_shape(s, 1).read_pages
+            read = self._read_pages(s.cached)
             options = []  # (tokens, seconds, shape) for each size it could take
             for T in (self.chunk_sizes if s.cached == 0 else self.later_sizes):
                 n = min(s.pending, T, tokens)
