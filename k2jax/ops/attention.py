@@ -36,8 +36,8 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     - impl "plain": attend_expanded under the whole [T, S] mask (the reference);
     - "auto", no cache (C == 0): attend_blocked (tiles above the diagonal skipped);
     - "auto" with a cache: attend_absorbed when it takes fewer flops than expanding the keys, i.e. for
-      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2; on XLA:CPU, absorbed flops
-      weighed CPU_ABSORBED_COST times, ~68 for Kimi K2), and T is at most one
+      T < R(K+V) / (2R - K - V) new tokens (decode: one per row; ~170 for Kimi K2, ~85 for the bench
+      config, where XLA:CPU measured absorbed no slower than expanded up to 128-256 queries), and T is at most one
       block (absorbed holds its [T, S] scores whole: with small ranks, 2R <= K + V, it is always the
       cheaper in flops, and a long chunk over a long prefix would take memory quadratic in length);
       else attend_blocked.
@@ -51,9 +51,8 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     args = (q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX)
     if impl == "plain":
         return attend_expanded(*args, causal_mask(kv_valid_BS, T), scale)
-    cost = CPU_ABSORBED_COST if jax.default_backend() == "cpu" else 1.0
     if S > T and T <= DEFAULT_BLOCK and absorbed_is_cheaper(T, ckv_BSR.shape[-1], q_nope_BTNK.shape[-1],
-                                                            w_kv_b_RNX.shape[-1], cost):
+                                                            w_kv_b_RNX.shape[-1]):
         return attend_absorbed(*args, causal_mask(kv_valid_BS, T), scale)
     return attend_blocked(*args, kv_valid_BS, scale)
 
@@ -65,21 +64,10 @@ def causal_mask(kv_valid_BS, T: int):
     return kv_valid_BS.astype(bool)[:, None, :] & causal_TS[None]
 
 
-def absorbed_is_cheaper(T: int, R: int, K: int, X: int, cost: float = 1.0) -> bool:
+def absorbed_is_cheaper(T: int, R: int, K: int, X: int) -> bool:
     """Whether absorbed attention takes fewer flops than expanded for T queries: per (query, key) and head it
-    costs 2R + P against K + P + V expanded, but expanding costs R(K + V) per key and head (X = K + V).
-    cost: what an absorbed flop costs against an expanded one (CPU_ABSORBED_COST on XLA:CPU)."""
-    return T * (2 * R - X) * cost < R * X
-
-
-# XLA:CPU workaround: the absorbed form's per-(query, key) flops run at well under the expanded form's rate
-# once T is more than a few queries (it holds [N, T, S] float32 scores whole; the expanded form's work is one
-# large matmul per stage). Measured, bench config, one row's step over 4096 cached keys, absorbed vs expanded:
-# 16 queries 75 vs 171 ms, 32: 146 vs 195, 64: 487 vs 222 (over 1024 keys: 61/71, 76/81, 157/97). Weighing
-# absorbed flops 2.5x puts the switch near 34 queries for that config (85 by flops), and keeps decode (T = 1)
-# absorbed for any config. A TPU program compiled ahead of time on a CPU host takes this choice too (it only
-# moves chunks of a few dozen tokens to the expanded form; for Kimi K2, 68 to 170).
-CPU_ABSORBED_COST = 2.5
+    costs 2R + P against K + P + V expanded, but expanding costs R(K + V) per key and head (X = K + V)."""
+    return T * (2 * R - X) < R * X
 
 
 def attend_expanded(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_BTS, scale):
@@ -112,23 +100,28 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """Attention straight on the latent cache: q_lat = q_nope·W_UK, scores = q_lat·ckv + q_pe·k_pe,
     o_lat = P·ckv, out = o_lat·W_UVᵀ. Same result as attend_expanded on the same inputs.
 
+    Heads and queries share one row axis, M = N·T (head-major), with the scale folded into the query: every
+    head attends to the same latent keys, so each stage is one plain matmul of M rows against the cache. (Kept
+    as [T, N] apart, XLA:CPU ran the stages as many small products: measured on the bench config, one layer
+    over 4096 cached keys, 64 queries 71 -> 26-34 ms, 128 queries 156 -> 56-63 ms; decode unchanged.)
+
     q_nope [B, T, N, K], q_pe [B, T, N, P] (rotated), ckv [B, S, R] (normalised), k_pe [B, S, P] (rotated),
     w_kv_b [R, N, K + V], mask [B, T, S] (True = may attend) -> [B, T, N, V].
     """
-    K = q_nope_BTNK.shape[-1]
+    B, T, N, K = q_nope_BTNK.shape
     f32, dt = jnp.float32, ckv_BSR.dtype
     w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
     w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
-    q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32).astype(dt)
-    scores_BNTS = (
-        jnp.einsum("BTNR,BSR->BNTS", q_lat_BTNR, ckv_BSR, preferred_element_type=f32)
-        + jnp.einsum("BTNP,BSP->BNTS", q_pe_BTNP, k_pe_BSP, preferred_element_type=f32)
-    ) * scale
-    scores_BNTS = jnp.where(mask_BTS[:, None, :, :], scores_BNTS, _NEG_INF)
-    probs_BNTS = jax.nn.softmax(scores_BNTS, axis=-1).astype(dt)
-    # [B, N, T, R], not [B, T, N, R]: XLA:CPU has no bf16 kernel for the transposed-output form.
-    o_lat_BNTR = jnp.einsum("BNTS,BSR->BNTR", probs_BNTS, ckv_BSR, preferred_element_type=f32).astype(dt)
-    return jnp.einsum("BNTR,RNV->BTNV", o_lat_BNTR, w_uv_RNV, preferred_element_type=f32).astype(dt)
+    q_lat_BNTR = jnp.einsum("BTNK,RNK->BNTR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
+    q_lat_BMR = (q_lat_BNTR * scale).astype(dt).reshape(B, N * T, -1)
+    q_pe_BMP = (q_pe_BTNP.transpose(0, 2, 1, 3).astype(f32) * scale).astype(dt).reshape(B, N * T, -1)
+    scores_BMS = (jnp.einsum("BMR,BSR->BMS", q_lat_BMR, ckv_BSR, preferred_element_type=f32)
+                  + jnp.einsum("BMP,BSP->BMS", q_pe_BMP, k_pe_BSP.astype(dt), preferred_element_type=f32))
+    scores_BNTS = jnp.where(mask_BTS[:, None], scores_BMS.reshape(B, N, T, -1), _NEG_INF)
+    probs_BMS = jax.nn.softmax(scores_BNTS, axis=-1).astype(dt).reshape(B, N * T, -1)
+    o_lat_BMR = jnp.einsum("BMS,BSR->BMR", probs_BMS, ckv_BSR, preferred_element_type=f32).astype(dt)
+    return jnp.einsum("BNTR,RNV->BTNV", o_lat_BMR.reshape(B, N, T, -1), w_uv_RNV,
+                      preferred_element_type=f32).astype(dt)
 
 
 def attend_blocked(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, scale,
