@@ -138,8 +138,9 @@ class Engine:
     `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
     none does (default 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the steps, and
     the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
-    prefill_chunk tokens (see k2jax.serving.scheduler), in powers of two down to `min_chunk` tokens (or an
-    eighth of prefill_chunk); False: chunks of prefill_chunk whatever they cost."""
+    prefill_chunk tokens (planned to STALL_FILL of it; see k2jax.serving.scheduler), in powers of two down
+    to `min_chunk` tokens (or an eighth of prefill_chunk); False: chunks of prefill_chunk whatever they
+    cost."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,

@@ -12,13 +12,13 @@ what each row sampled.
 - A step prefills at most `prefill_chunk` prompt tokens while rows decode (so a long prompt stalls the
   decodes by at most one chunk), first come first served. Given the steps' times (`step_s`, which the engine
   measures at warm-up), a step's chunks are also cut so that they and the decode step take no longer than a
-  first chunk of `prefill_chunk` tokens alone: a later chunk re-reads its whole cached prefix (expanding it
-  per head) and attends over it, so at the same token count it takes up to 2.5x a first chunk's time (bench
-  config, 512 tokens over 3584 cached), and the decoding rows would wait that long. A step that fits nothing
-  still takes the quickest chunk of the first prompt waiting (it goes on). While none decodes, the first
-  chunks of all waiting prompts run in one batch, and a lone prompt takes chunks of up to `idle_chunk`
-  tokens (nobody waits on it, and a longer chunk runs at a better rate: its experts see more tokens each, and
-  fewer later chunks re-read the prefix).
+  first chunk of `prefill_chunk` tokens alone (planned to STALL_FILL of it: a step's time varies around its
+  timed one). A later chunk re-reads its whole cached prefix and attends over it, so at the same token count
+  it takes up to 2.5x a first chunk's time (bench config, 512 tokens over 3584 cached), and the decoding rows
+  would wait that long. A step that fits nothing still takes the quickest chunk of the first prompt waiting
+  (it goes on). While none decodes, the first chunks of all waiting prompts run in one batch, and a lone
+  prompt takes chunks of up to `idle_chunk` tokens (nobody waits on it, and a longer chunk runs at a better
+  rate: its experts see more tokens each, and fewer later chunks re-read the prefix).
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -109,8 +109,8 @@ class Scheduler:
     a step makes (fewer programs: reading a few more tokens costs little). stall_bound: later chunks also come
     in powers of two below prefill_chunk (down to min_chunk or an eighth of it, whichever is more), and once
     `step_s` holds the steps' times ({StepShape: seconds}, see `timed_shapes`) the chunks beside decoding rows
-    are cut to one first chunk's time (see the module docstring); False: chunks of prefill_chunk tokens
-    whatever they cost."""
+    are cut to STALL_FILL of one first chunk's time (see the module docstring); False: chunks of
+    prefill_chunk tokens whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
                  idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
