@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from k2jax import K2Config, K2Model, abstract_params  # noqa: E402
-from k2jax.inference.cache import init_cache  # noqa: E402
+from k2jax.runtime.cache import init_cache  # noqa: E402
 from k2jax.ops.moe import moe_dense, moe_grouped  # noqa: E402
 from k2jax.ops.quant import QuantizedWeight, is_quantized  # noqa: E402
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from k2jax import K2Config, K2Model, generate, load_hf
-from k2jax.inference.cache import init_cache, kv_bytes_per_token
+from k2jax.runtime.cache import init_cache, kv_bytes_per_token
 from k2jax.nn.model import expert_views
 from k2jax.testing import prefill_memory, random_params
 

@@ -1,6 +1,6 @@
 """Detokenization cost per token on the engine thread, at output lengths 128 and 8192 (goal: ratio <= 1.5).
 
-The engine turns each request's tokens into text as they come (k2jax.serving.detok.Detokenizer.add, called
+The engine turns each request's tokens into text as they come (k2jax.runtime.detok.Detokenizer.add, called
 once per token by the engine, with the request's stop strings). This times exactly that call, token by
 token, for the same 128 probe tokens placed at the end of an output of each length (so the same text is
 measured at both lengths), and prints the median time per probe token (best of the repeats: medians and
@@ -87,7 +87,7 @@ def main():
     ap.add_argument("--no-redecode", action="store_true", help="skip the whole-output re-decode comparison")
     args = ap.parse_args()
 
-    from k2jax.serving.detok import TokenText
+    from k2jax.runtime.detok import TokenText
     from k2jax.tokenizer import KimiTokenizer
     from tests.bpe import write_test_tokenizer
 

@@ -73,7 +73,7 @@ def main():
                       + " ".join(f"{r:.2f}" for r in load_skew(model, params, toks)))
             worker = Worker(old_tree, ckpt, dtype, os.path.join(tmp, "tokens.npy")) if old_tree else None
             oracle.run(base | {"bench": {"input_ids": tokens, "dtype": dtype, "warmup": 1, "repeats": 1}})
-            # The runtime's own steps (k2jax.inference.runner, one CPU device) read the experts through zero-copy
+            # The runtime's own steps (k2jax.runtime.runner, one CPU device) read the experts through zero-copy
             # per-layer views of the same tree, which a switch on the layer reads in place.
             views = expert_views(params)
             jax.block_until_ready(fwd(views, toks))

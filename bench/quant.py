@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k2jax import K2Config, K2Model, abstract_params
-from k2jax.inference.cache import init_cache
+from k2jax.runtime.cache import init_cache
 from k2jax.nn.quantized import quantize_params, requantize_params
 from k2jax.ops.quant import is_quantized
 from k2jax.nn.model import expert_views

@@ -7,7 +7,7 @@ _versions.check()  # before jax is imported: a too-old jax fails here with the v
 from k2jax.checkpoint import load_hf  # noqa: E402
 from k2jax.checkpoint.orbax_restore import load  # noqa: E402
 from k2jax.config import K2Config  # noqa: E402
-from k2jax.inference.generate import generate  # noqa: E402
+from k2jax.runtime.generate import generate  # noqa: E402
 from k2jax.nn.model import K2Model, abstract_params, init_params, param_axes  # noqa: E402
 from k2jax.nn.quantized import dequantize_params, quantize_params  # noqa: E402
 from k2jax.ops.quant import QuantizedWeight  # noqa: E402

@@ -60,7 +60,7 @@ def _plan(args) -> int:
     hbm = args.hbm * GiB if args.hbm else chip(args.chip).hbm if args.chip else None
     if hbm is None:
         raise ValueError("--chips needs the memory per chip: --chip v5p|v6e|v5e|h100|h200 or --hbm GiB")
-    if args.chip:  # a TPU pads each token's cache values to 128 (k2jax.inference.cache.lane)
+    if args.chip:  # a TPU pads each token's cache values to 128 (k2jax.runtime.cache.lane)
         kw["kv_lane"] = chip(args.chip).kv_lane
     if args.mesh:
         raise ValueError("--mesh plans one mesh; --chips searches them: give one of the two")
@@ -83,7 +83,7 @@ def _plan_compile(args, cfg, kw, what) -> int:
     from k2jax.aot import compile as aot
     from k2jax.aot.report import format_compile, plan_json, result_json
     from k2jax.aot.topology import chip_name, chips_in, load_topology, topology_mesh
-    from k2jax.inference.cache import TPU_LANE
+    from k2jax.runtime.cache import TPU_LANE
     from k2jax.plan import CHIPS, GiB, Chip, plan, search
 
     name = chip_name(args.compile)

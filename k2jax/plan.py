@@ -7,10 +7,10 @@ they do not divide falls back, see k2jax.sharding.dividing_axes), so every chip 
 each tensor: total / (number of distinct shards). The plan lists the params that fall back and what that
 costs each chip beyond an even split over the axes their rules name.
 
-The KV cache is counted as the runtime holds it (k2jax.inference.runner, k2jax.generate): a pool of pages
+The KV cache is counted as the runtime holds it (k2jax.runtime.runner, k2jax.generate): a pool of pages
 split over the batch's mesh axes (data, fsdp and expert: data-parallel attention), each shard with its own
 trash page, each row with its own pages for max_len tokens; bytes per token from
-k2jax.inference.cache.kv_bytes_per_token. `tensor` does not split the latent cache (it has no heads): the
+k2jax.runtime.cache.kv_bytes_per_token. `tensor` does not split the latent cache (it has no heads): the
 cache is replicated over it.
 
 `search` ranks the meshes of a chip count by the KV tokens that fit beside the weights, keeping a reserve of
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k2jax.config import K2Config
-from k2jax.inference.cache import DEFAULT_PAGE_SIZE, KV_DTYPES, TPU_LANE, kv_bytes_per_token
+from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, KV_DTYPES, TPU_LANE, kv_bytes_per_token
 from k2jax.nn.model import abstract_params, param_axes
 from k2jax.nn.quantized import check_quant
 from k2jax.ops.quant import QuantizedWeight, is_quantized
@@ -60,7 +60,7 @@ CHIPS = {c.name: c for c in (Chip("v5e", "TPU v5e", 16 * GiB, TPU_LANE), Chip("v
                              Chip("h200", "H200", 141 * GB))}
 DTYPES = ("bfloat16", "float32")
 SEARCH_AXES = ("data", "expert", "tensor")  # fsdp left out: see the module docstring
-# Per decode slot, beside the pool (k2jax.inference.runner): output counts int32 and a prompt mask bool per id.
+# Per decode slot, beside the pool (k2jax.runtime.runner): output counts int32 and a prompt mask bool per id.
 STATE_BYTES_PER_ID = 4 + 1
 
 
@@ -139,7 +139,7 @@ class Plan:
     def kv_tokens(self, hbm: float, reserve: float = 0.1, lane: int | None = None) -> int:
         """KV tokens that fit on the mesh beside the weights (and this plan's sampling state), keeping
         `reserve` of each chip's `hbm` bytes free: whole tokens per chip x the cache's shards. 0 if the
-        weights alone do not fit. lane: the pool's padding (k2jax.inference.cache.lane; default the plan's)."""
+        weights alone do not fit. lane: the pool's padding (k2jax.runtime.cache.lane; default the plan's)."""
         state = sum(r[1] for r in self.rows if r[0].startswith("sampling state"))
         free = hbm * (1 - reserve) - self.weights_per_device - state
         per_token = self.bytes_per_token if lane is None else self.lane_bytes_per_token[lane]
@@ -203,9 +203,9 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], *, quant: str | None = None,
     in 4 bits with a bf16 scale per 32 inputs, as Kimi-K2-Thinking): the bytes a `k2jax.load(...,
     quant=quant)` holds, values and scales; the rest in dtype ("bfloat16" or "float32").
     batch, max_len: add the paged latent KV cache of that many rows and tokens (kv_dtype: one of
-    k2jax.inference.cache.KV_DTYPES, default `dtype`; page_size tokens per page) and the per-slot sampling
+    k2jax.runtime.cache.KV_DTYPES, default `dtype`; page_size tokens per page) and the per-slot sampling
     state, as k2jax.generate holds them. kv_lane: the multiple the pool pads each token's values to, 128 on
-    a TPU (k2jax.inference.cache.lane: Kimi K2's 576 latent values take 640), 1 elsewhere.
+    a TPU (k2jax.runtime.cache.lane: Kimi K2's 576 latent values take 640), 1 elsewhere.
     """
     if dtype not in DTYPES:
         hint = f" (quantization is quant={ {'float8': 'fp8'}.get(dtype, dtype)!r})" if dtype in (
@@ -245,7 +245,7 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], *, quant: str | None = None,
             raise ValueError(f"KV cache: batch ({batch}) and max_len ({max_len}) must both be positive")
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        # As k2jax.inference.cache lays it out: rows split over the batch axes that divide the batch.
+        # As k2jax.runtime.cache lays it out: rows split over the batch axes that divide the batch.
         shards = math.prod(shape[a] for a in dividing_axes(batch_axes, batch, shape))
         kv = KVCache(batch, max_len, kv_dtype, page_size, shards, kv_bytes_per_token(cfg, kv_dtype, kv_lane))
         rows.append((f"KV cache {batch}x{max_len}", kv.per_chip, kv.one_copy))

@@ -35,7 +35,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> tuple[int, int, flo
 _PREFILL_SCRIPT = """
 import time, jax, jax.numpy as jnp
 from k2jax import K2Config, K2Model, init_params
-from k2jax.inference.cache import init_cache
+from k2jax.runtime.cache import init_cache
 cfg = K2Config.from_hf_config({config!r})
 model, L = K2Model(cfg), {length}
 params = init_params(cfg, jax.random.PRNGKey(0))

@@ -43,7 +43,7 @@ export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile 
 
 # XLA's persistent compilation cache, kept between runs like the environments: the suite compiles many of the
 # same programs (servers in subprocesses, the TPU checks) run after run. A program read from it still counts as
-# a compilation for the no-recompile tests (k2jax.serving.compiles). Every program goes in, however quick its
+# a compilation for the no-recompile tests (k2jax.runtime.compiles). Every program goes in, however quick its
 # compile (a test server compiles dozens of small ones). No size limit for jax to keep: with one, each write
 # scans every entry under a file lock, and caching every program made the suite slower (1760 s against 1593 s
 # with only the programs of a second or more); instead the whole cache starts afresh past 4 GiB. (The TPU

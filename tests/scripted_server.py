@@ -24,7 +24,7 @@ import numpy as np
 
 
 class ScriptedRunner:
-    """Stands in for k2jax.inference.runner.Runner (same constructor and step contract)."""
+    """Stands in for k2jax.runtime.runner.Runner (same constructor and step contract)."""
 
     scripts: dict[int, list[int]] = {}
     end_id: int = 0
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     own.add_argument("--record")
     mine, rest = own.parse_known_args(argv)
 
-    from k2jax.serving import engine as engine_module
+    from k2jax.runtime import engine as engine_module
     from k2jax.serving import server
 
     serve = argparse.ArgumentParser()

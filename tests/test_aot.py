@@ -92,7 +92,7 @@ def test_the_compiler_output_cache_gives_the_compiled_figures_back(tmp_path, mon
     """K2JAX_AOT_CACHE: a program compiled once is read back with the same figures and HLO analysis, without
     calling the compiler; another program (another batch) is compiled, not read."""
     from k2jax.config import K2Config as Config
-    from k2jax.inference.runner import StepShape
+    from k2jax.runtime.runner import StepShape
 
     tiny = Config.from_hf_config(CONFIGS / "tiny.json")
     topo = load_topology("v5p:2x2x1")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, generate
-from k2jax.inference.sampling import default_rows, sample_rows, set_row, sorted_cutoff
+from k2jax.runtime.sampling import default_rows, sample_rows, set_row, sorted_cutoff
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 

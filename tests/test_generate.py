@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, generate
-from k2jax.inference.generate import PAD_ID, bucket_length
-from k2jax.serving import compiles
+from k2jax.runtime.generate import PAD_ID, bucket_length
+from k2jax.runtime import compiles
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 

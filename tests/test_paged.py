@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, init_params
-from k2jax.inference.cache import init_cache, kv_bytes_per_token, pool_shapes
+from k2jax.runtime.cache import init_cache, kv_bytes_per_token, pool_shapes
 from k2jax.ops.attention import absorbed_is_cheaper
 from k2jax.placement import param_shardings
 from k2jax.sharding import make_mesh, use_mesh

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, generate
-from k2jax.inference.cache import data_shards, init_cache
-from k2jax.inference.runner import Runner, StepShape, host_batch
+from k2jax.runtime.cache import data_shards, init_cache
+from k2jax.runtime.runner import Runner, StepShape, host_batch
 from k2jax.ops.paged import batch_axes
 from k2jax.placement import param_shardings
 from k2jax.sharding import make_mesh, use_mesh
@@ -136,10 +136,10 @@ def test_runner_step_logprobs_on_the_mesh_equal_one_device(params, spec):
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
 def test_a_tpu_padded_pool_gives_the_same_logits(params, monkeypatch, kv_dtype):
-    """On a TPU each token's cache values are padded to a multiple of 128 (k2jax.inference.cache.lane): the
+    """On a TPU each token's cache values are padded to a multiple of 128 (k2jax.runtime.cache.lane): the
     model over such a pool (forced here on CPU) equals the unpadded one."""
-    from k2jax.inference import cache as cache_mod
-    from k2jax.inference import runner as runner_mod
+    from k2jax.runtime import cache as cache_mod
+    from k2jax.runtime import runner as runner_mod
 
     tokens, lens = padded(3)
     model = K2Model(CFG)
@@ -163,7 +163,7 @@ def test_a_tpu_padded_pool_gives_the_same_logits(params, monkeypatch, kv_dtype):
     np.testing.assert_array_equal(np.asarray(padded_cache.pages["moe_layers"][..., 24:]).astype(np.float32), 0)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
     # generate's runner (a new one: another page size) over a padded pool
-    from k2jax.inference.generate import _RUNNERS
+    from k2jax.runtime.generate import _RUNNERS
 
     gen_got = generate(model, params, prompts(3), 3, kv_cache_dtype=kv_dtype, page_size=32)
     assert [r.pad for k, r in _RUNNERS.items() if k[3] == 32 and k[4] == kv_dtype] == [104]

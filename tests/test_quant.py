@@ -198,7 +198,7 @@ def test_held_quantized_and_decode_temp_far_below_a_layer_of_experts(quant):
     held = sum(experts[k].nbytes for k in EXPERTS)
     assert held <= (0.51 if quant == "fp8" else 0.3) * bf16_layer * cfg.num_moe_layers
 
-    from k2jax.inference.cache import init_cache
+    from k2jax.runtime.cache import init_cache
 
     model = K2Model(cfg, jnp.bfloat16)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a, params)

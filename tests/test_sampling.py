@@ -1,4 +1,4 @@
-"""k2jax.inference.sampling against a plain numpy reference written here (loops over rows): each transform
+"""k2jax.runtime.sampling against a plain numpy reference written here (loops over rows): each transform
 alone and together, exact penalties, min_tokens, bitmask, greedy, logprobs and top logprobs, draw
 frequencies, reproducible keys, mixed batches == rows alone, no recompilation, the full vocabulary size."""
 
@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k2jax.inference import sampling
-from k2jax.inference.sampling import (MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, default_rows, mark_prompt,
+from k2jax.runtime import sampling
+from k2jax.runtime.sampling import (MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS, default_rows, mark_prompt,
                                       process_logits, sample_rows, selected_cutoff, set_row, sorted_cutoff,
                                       update_counts)
-from k2jax.serving import compiles
+from k2jax.runtime import compiles
 
 SAMPLE = jax.jit(sample_rows)
 PROCESS = jax.jit(process_logits)

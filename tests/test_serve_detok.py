@@ -1,4 +1,4 @@
-"""The engine's incremental detokenizer (k2jax.serving.detok) against whole-sequence decoding: the same text,
+"""The engine's incremental detokenizer (k2jax.runtime.detok) against whole-sequence decoding: the same text,
 multi-byte characters held back until complete, stop strings cut where they begin (also across tokens),
 special tokens skipped unless asked for, and every byte decoded once (a flat cost per token)."""
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from k2jax.serving import detok as D
+from k2jax.runtime import detok as D
 from k2jax.tokenizer import KimiTokenizer
 from tests.bpe import write_test_tokenizer
 

@@ -12,9 +12,9 @@ import pytest
 
 import k2jax
 from k2jax.ops.paged import _quantize
-from k2jax.serving import compiles
-from k2jax.serving.engine import Engine, Request, SamplingParams, generate_one
-from k2jax.serving.scheduler import STALL_FILL
+from k2jax.runtime import compiles
+from k2jax.runtime.engine import Engine, Request, SamplingParams, generate_one
+from k2jax.runtime.scheduler import STALL_FILL
 from k2jax.testing import random_params
 from tests.conftest import CONFIGS
 

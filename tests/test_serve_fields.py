@@ -7,8 +7,8 @@ import json
 import pytest
 
 from k2jax.serving import openai_fields as fields
-from k2jax.serving.detok import TokenText
-from k2jax.serving.engine import Event, SamplingParams
+from k2jax.runtime.detok import TokenText
+from k2jax.runtime.engine import Event, SamplingParams
 from k2jax.serving.responses import Choice, Chunks, Names, response
 from k2jax.tokenizer import KimiTokenizer
 from tests.bpe import write_test_tokenizer

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax import K2Config, K2Model, abstract_params, init_params, param_axes
 from k2jax.cli import main as cli_main
-from k2jax.inference.cache import init_cache
+from k2jax.runtime.cache import init_cache
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.moe import moe_dense
 from k2jax.plan import plan

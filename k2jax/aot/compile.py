@@ -1,7 +1,7 @@
 """Compile the runtime's real programs for a TPU topology from abstract inputs, and read what the compiler
 made of them: per-chip bytes, collectives, loops, tiling padding, and the weight checks.
 
-The programs are the steps of k2jax.inference.runner (the one jitted step that k2jax.generate and the
+The programs are the steps of k2jax.runtime.runner (the one jitted step that k2jax.generate and the
 server run), built with Runner(..., abstract=True): params, pool and sampling state are
 jax.ShapeDtypeStructs with their shardings, so nothing is allocated and a 1T-parameter model compiles on a
 laptop. The MoE runs its TPU path (ragged_dot): "auto" would pick XLA:CPU's on a CPU host.
@@ -30,8 +30,8 @@ import numpy as np
 
 from k2jax.aot import hlo
 from k2jax.config import K2Config
-from k2jax.inference.cache import kv_bytes_per_token, lane
-from k2jax.inference.runner import Runner, StepShape
+from k2jax.runtime.cache import kv_bytes_per_token, lane
+from k2jax.runtime.runner import Runner, StepShape
 from k2jax.nn.model import K2Model, abstract_params
 from k2jax.placement import param_shardings
 from k2jax.plan import Plan

@@ -23,7 +23,7 @@ class K2Model(nn.Module):
     `__call__(tokens_BT, positions_BT=None, attention_mask_BS=None, cache=None, logits_at_B=None)`:
     - no cache (training, scoring): logits [B, T, V]. positions default to 0..T-1; attention_mask [B, T]
       (1 = real token) is a key padding mask combined with the causal one (left padding allowed).
-    - cache (k2jax.ops.paged.PagedCache, from k2jax.inference.cache): each row's T tokens continue the
+    - cache (k2jax.ops.paged.PagedCache, from k2jax.runtime.cache): each row's T tokens continue the
       sequence the cache holds for it: token t of row b is at position lengths[b] + t (positions default
       to that), attends to the row's cached tokens and causally to the new ones, and its latents are written
       into the row's pages. attention_mask [B, T] marks the real new tokens, a prefix of each row (default
@@ -128,7 +128,7 @@ EXPERT_VIEWS = "_moe_expert_views"
 
 def expert_views(params):
     """params plus zero-copy per-layer views of the MoE layers' routed-expert stacks (under EXPERT_VIEWS), for
-    a runtime's own jitted steps on one XLA:CPU device (k2jax.inference.runner): the same tree otherwise.
+    a runtime's own jitted steps on one XLA:CPU device (k2jax.runtime.runner): the same tree otherwise.
 
     XLA:CPU copies any slice of an array that feeds a matmul, and a layer's experts sliced out of the stacked
     params inside a step are such a slice. k2jax.ops.moe reads them out of the stacks block by block, which

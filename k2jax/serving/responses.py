@@ -22,7 +22,7 @@ import json
 import math
 
 from k2jax.serving import chat_request
-from k2jax.serving.engine import Event
+from k2jax.runtime.engine import Event
 
 LOGPROB_FLOOR = -9999.0
 

@@ -304,10 +304,10 @@ def _run(args, sock) -> int:
     import jax
     import jax.numpy as jnp
 
-    from k2jax.inference.cache import pool_tokens
-    from k2jax.serving import compiles
-    from k2jax.serving.detok import TokenText
-    from k2jax.serving.engine import Engine, round_up_slots
+    from k2jax.runtime.cache import pool_tokens
+    from k2jax.runtime import compiles
+    from k2jax.runtime.detok import TokenText
+    from k2jax.runtime.engine import Engine, round_up_slots
 
     log = setup_logging(dist.is_main())
     compiles.install()

@@ -1,4 +1,4 @@
-"""Batched generation: a loop over the runtime's steps (k2jax.inference.runner), the same jitted steps and
+"""Batched generation: a loop over the runtime's steps (k2jax.runtime.runner), the same jitted steps and
 paged cache the server runs.
 
 Each row gets its own contiguous pages for max_len tokens. The prompts are prefilled in one step (right
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k2jax.inference import sampling
-from k2jax.inference.cache import DEFAULT_PAGE_SIZE, data_shards
-from k2jax.inference.runner import Runner, StepShape, host_batch
+from k2jax.runtime import sampling
+from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards
+from k2jax.runtime.runner import Runner, StepShape, host_batch
 from k2jax.nn.model import K2Model
 
 MIN_BUCKET = 16

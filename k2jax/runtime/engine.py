@@ -1,10 +1,10 @@
 """Continuous batching over the paged latent cache: requests join and leave between engine steps.
 
-The engine ties the scheduler (k2jax.serving.scheduler: which rows run, their pages, the prefix cache,
-preemption; plain Python) to the runner (k2jax.inference.runner: the jitted steps, the same ones
+The engine ties the scheduler (k2jax.runtime.scheduler: which rows run, their pages, the prefix cache,
+preemption; plain Python) to the runner (k2jax.runtime.runner: the jitted steps, the same ones
 `k2jax.generate` runs). One engine step = the scheduler's calls (prompt chunks, then one decode over every
 decoding row), dispatched to the device, then each row's sampled token turned into an Event (text made
-incrementally by k2jax.serving.detok, stop ids and strings, max_tokens, logprobs). Everything on the device
+incrementally by k2jax.runtime.detok, stop ids and strings, max_tokens, logprobs). Everything on the device
 has static shapes (the scheduler's `shapes`, all compiled by `warm_up`): nothing compiles afterwards,
 however requests come and go.
 
@@ -26,13 +26,13 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from k2jax.inference import sampling
-from k2jax.inference.cache import data_shards, pool_tokens
-from k2jax.inference.runner import Runner, host_batch
-from k2jax.serving.detok import NoText, TokenText
-from k2jax.serving.metrics import Metrics
-from k2jax.serving.pages import PagePool
-from k2jax.serving.scheduler import Call, Scheduler, Seq
+from k2jax.runtime import sampling
+from k2jax.runtime.cache import data_shards, pool_tokens
+from k2jax.runtime.runner import Runner, host_batch
+from k2jax.runtime.detok import NoText, TokenText
+from k2jax.runtime.metrics import Metrics
+from k2jax.runtime.pages import PagePool
+from k2jax.runtime.scheduler import Call, Scheduler, Seq
 from k2jax.sharding import use_mesh
 
 DEFAULT_PAGE_SIZE = 64
@@ -49,7 +49,7 @@ class SamplingParams:
     The penalties count the request's own generated tokens (repetition_penalty the prompt's too);
     logit_bias: (token id, bias in [-100, 100]) pairs, at most 300; logprobs None = none, k >= 0 = the
     sampled token's logprob and the top k (k <= 20), from the distribution sampled from
-    (k2jax.inference.sampling). grammar: a structured-output spec the engine's grammar compiler turns into a
+    (k2jax.runtime.sampling). grammar: a structured-output spec the engine's grammar compiler turns into a
     per-request token mask ({"response_format": ..., "tools": ..., "tool_choice": ...}; JSON-able, so that
     every process of a multi-host server builds the same mask)."""
 
@@ -100,7 +100,7 @@ class Request:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     # engine-side state
     seq: Seq | None = None
-    detok: object = None  # its k2jax.serving.detok.Detokenizer, made at its first token
+    detok: object = None  # its k2jax.runtime.detok.Detokenizer, made at its first token
     matcher: object = None  # its grammar matcher (structured output), made at submission
     out: list[int] = dataclasses.field(default_factory=list)  # generated ids (stop id included)
     first_token_at: float = 0.0
@@ -138,7 +138,7 @@ class Engine:
     `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
     none does (default 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the steps, and
     the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
-    prefill_chunk tokens (planned to STALL_FILL of it; see k2jax.serving.scheduler), in powers of two down
+    prefill_chunk tokens (planned to STALL_FILL of it; see k2jax.runtime.scheduler), in powers of two down
     to `min_chunk` tokens (or an eighth of prefill_chunk); False: chunks of prefill_chunk whatever they
     cost."""
 

@@ -5,7 +5,7 @@ A step takes, per row b: its slot (the row of the per-slot sampling state), its 
 count[b] real ones, right-padded to T), its page table and how many tokens it already holds (lengths[b]),
 how long its prompt is (tokens before that are prompt, the rest the row's own output: the penalties count
 them), whether its slot starts afresh (reset: a new request), and its sampling settings
-(k2jax.inference.sampling). It returns the token sampled from the logits at each row's last real token,
+(k2jax.runtime.sampling). It returns the token sampled from the logits at each row's last real token,
 its logprob and the top logprobs. What the step computes follows from its shapes: rows B, tokens per row T
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k2jax.inference import sampling
-from k2jax.inference.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
+from k2jax.runtime import sampling
+from k2jax.runtime.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
 from k2jax.nn.model import K2Model, expert_views
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.sharding import per_shard, split_axes, use_mesh
@@ -60,7 +60,7 @@ def host_batch(shape: StepShape, vocab_size: int) -> dict:
 
 class Runner:
     """The pool of `num_pages` pages of `page_size` tokens ({group: [L, A, Y, R + P]}, kv_dtype as
-    k2jax.inference.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
+    k2jax.runtime.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
     on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
     one step. The params stay the caller's (placed on the mesh already, or on one device; on one CPU device
     the steps also take k2jax.nn.model.expert_views of them, which share their memory).
@@ -206,7 +206,7 @@ class Runner:
 
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
     """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
-    {"pages", "scales": the pool (k2jax.inference.cache.pool_shapes), "counts" [slots, V] int32, "seen"
+    {"pages", "scales": the pool (k2jax.runtime.cache.pool_shapes), "counts" [slots, V] int32, "seen"
     [slots, V] bool}."""
     pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
     pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)

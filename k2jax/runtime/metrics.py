@@ -67,7 +67,7 @@ class Metrics:
 
     def render(self) -> str:
         """The /metrics page."""
-        from k2jax.serving.compiles import count as compiles
+        from k2jax.runtime.compiles import count as compiles
 
         rows = [
             ("k2jax_requests_total", "counter", "requests accepted", self.requests),

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from k2jax.inference.runner import StepShape
-from k2jax.serving.pages import PagePool
+from k2jax.runtime.runner import StepShape
+from k2jax.runtime.pages import PagePool
 
 _ORDER = itertools.count()
 
@@ -339,7 +339,7 @@ class Scheduler:
         return Call(StepShape(self.shards * k, T, read, self.table_pages(read, T)), laid, shard_of)
 
     def inputs(self, call: Call, batch: dict) -> None:
-        """Fill a runner batch (k2jax.inference.runner.host_batch) with the call's rows: tokens, counts,
+        """Fill a runner batch (k2jax.runtime.runner.host_batch) with the call's rows: tokens, counts,
         page tables, lengths, slots, prompt lengths. (Sampling settings and masks are the engine's.)"""
         W = call.shape.table_pages
         for i, ((seq, n), shard) in enumerate(zip(call.rows, call.shard_of_row)):

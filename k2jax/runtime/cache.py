@@ -4,7 +4,7 @@ shardings.
 A pool {group: [L, A, Y, R + P]} holds A pages of Y tokens for each layer group (dense_layers, moe_layers);
 page 0 of each data-parallel shard is its trash page (k2jax.ops.paged). `init_cache` gives each row its own
 contiguous run of pages, for a batch of known maximum length (k2jax.generate, tests); the serving engine
-allocates pages as rows grow (k2jax.serving.pages).
+allocates pages as rows grow (k2jax.runtime.pages).
 
 KV_DTYPES: "bfloat16", "float32", or "float8" (e4m3 values with a float32 scale per token and part: half
 the bytes of bf16 plus 8 bytes per token and layer).
