@@ -119,11 +119,17 @@ def config_from(raw: dict, where: str):
 
 
 def load_config(location):
-    """K2Config of a config.json at a local path (file or directory) or in a gs:// prefix (its directory)."""
+    """K2Config of a config.json at a local path (file or directory), a gs:// URL (the file or its directory) or
+    in a Hugging Face repo (its id)."""
     from k2jax.config import K2Config
 
     loc = storage.location(location)
     if not storage.is_gcs(loc):
+        from k2jax.checkpoint import hub
+
+        if not os.path.exists(loc) and hub.is_repo_id(loc):
+            files = hub.HubFiles(loc, quiet=True)
+            return config_from(read_config(files), files.name("config.json"))
         return K2Config.from_hf_config(loc)
     if loc.endswith(".json"):
         d = storage.open_dir(loc.rsplit("/", 1)[0])
