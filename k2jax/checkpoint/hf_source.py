@@ -33,6 +33,8 @@ class GcsFiles:
         try:
             listing = self.fs.ls(self._key(""), detail=True, refresh=True) if self.prefix else \
                 self.fs.ls(self.bucket, detail=True, refresh=True)
+        except FileNotFoundError:
+            listing = []
         except Exception as e:  # noqa: BLE001
             raise storage.gcs_error(self.url, e, "prefix") from None
         # {file name: size} of the objects directly under the prefix

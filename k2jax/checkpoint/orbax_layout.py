@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from k2jax.checkpoint.storage import open_dir
+from k2jax.checkpoint.storage import bucket_exists, open_dir
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
 from k2jax.quant_policy import stacked_axes
@@ -128,6 +128,8 @@ def read_manifest(ckpt_dir) -> dict:
     raw = d.read(MANIFEST)
     if raw is None:
         if not d.exists():
+            if d.remote and not bucket_exists(d.bucket):
+                raise FileNotFoundError(f"{d}: no such bucket gs://{d.bucket}")
             raise FileNotFoundError(f"{d}: no such checkpoint directory")
         if d.any(PROGRESS):
             raise IncompleteCheckpointError(

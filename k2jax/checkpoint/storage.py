@@ -235,35 +235,45 @@ class GcsDir:
     def write(self, rel: str, data: bytes) -> None:
         self._call(rel, lambda: self.kv.write(rel, data).result())
 
-    def keys(self, prefix: str = "") -> list[str]:
-        import tensorstore as ts
+    def _path(self, rel: str = "") -> str:
+        return "/".join(p for p in (self.bucket, self.prefix, rel.strip("/")) if p)
 
-        p = prefix.rstrip("/") + "/" if prefix else ""
-        rng = ts.KvStore.KeyRange(p, p[:-1] + chr(ord("/") + 1)) if p else ts.KvStore.KeyRange()
-        got = self._call(prefix, lambda: self.kv.list(rng).result(), "prefix")
-        # (some servers ignore the range; keep only what is under the prefix)
-        return sorted(k.decode() for k in got if k.decode().startswith(p))
+    def keys(self, prefix: str = "") -> list[str]:
+        # Listing and deleting by prefix go through gcsfs (the JSON API's `prefix`), which every server and
+        # emulator serves; tensorstore lists a key range (startOffset / endOffset), which emulators ignore.
+        root = self._path()
+        try:
+            found = gcs_fs().find(self._path(prefix), refresh=True) if (prefix or self.prefix) else \
+                gcs_fs().find(self.bucket, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise gcs_error(self.name(prefix), e, "prefix") from None
+        return sorted(k[len(root) + 1:] for k in found if k.startswith(root + "/"))
 
     def any(self, prefix: str = "") -> bool:
         return bool(self.keys(prefix))
 
     def remove(self, rel: str) -> None:
-        import tensorstore as ts
-
-        self._call(rel, lambda: self.kv.delete_range(ts.KvStore.KeyRange(rel, rel + "\0")).result())
+        self._call(rel, lambda: self.kv.delete_range(_key_range(rel)).result())
 
     def delete(self, prefix: str = "") -> None:
-        import tensorstore as ts
-
-        p = prefix.rstrip("/") + "/" if prefix else ""
-        rng = ts.KvStore.KeyRange(p, p[:-1] + chr(ord("/") + 1)) if p else ts.KvStore.KeyRange()
-        self._call(prefix, lambda: self.kv.delete_range(rng).result(), "prefix")
+        keys = self.keys(prefix)
+        if keys:  # (gcsfs deletes in batches)
+            self._call(prefix, lambda: gcs_fs().rm([self._path(k) for k in keys]), "prefix")
 
     def orbax_path(self):
         from etils import epath
 
         configure_gcs()
         return epath.Path(self.url)
+
+
+def _key_range(key: str):
+    """The tensorstore key range of exactly one key."""
+    import tensorstore as ts
+
+    return ts.KvStore.KeyRange(key, key + "\0")
 
 
 def open_dir(path) -> LocalDir | GcsDir:
