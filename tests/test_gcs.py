@@ -66,18 +66,18 @@ def test_convert_gs_to_gs_is_the_local_conversion_read_in_ranges(local, remote):
     src_dir, dst_dir = local
     _, dst, reads = remote
     objects = download(dst)
-    assert objects.pop("commit_success.txt") == b""  # what Orbax looks for on GCS
+    assert "commit_success.txt" in objects and objects.pop("commit_success.txt")  # what Orbax looks for on GCS
     assert objects == _files(dst_dir)  # the same objects, byte for byte, manifest included
     # every read of a safetensors object is a range of it (a header, a tensor or rows of one), none the whole file
     sizes = {f"src/{p.name}": p.stat().st_size for p in src_dir.glob("*.safetensors")}
     shard_reads = [(o, rng, n) for o, rng, n in reads if o in sizes]
     assert {o for o, _, _ in shard_reads} == set(sizes)
     assert all(rng and rng.startswith("bytes=") and n < sizes[o] for o, rng, n in shard_reads), shard_reads[:5]
-    assert sum(n for _, _, n in shard_reads) <= sum(sizes.values())
+    assert sum(n for _, _, n in shard_reads) <= sum(sizes.values()) + 4096  # (headers are read twice: verify, open)
 
 
 def test_load_plan_and_info_read_gs(local, remote):
-    _, dst = remote
+    _, dst, _ = remote
     cfg, params = k2jax.load(dst)
     ref_cfg, ref = k2jax.load(local[1])
     assert cfg == ref_cfg
@@ -108,7 +108,7 @@ def test_a_killed_conversion_resumes_on_gs(gcs, remote):
     p = subprocess.run([sys.executable, "-c", _KILLED, src, d, "--quiet", "--workers", "1"],
                        env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=180)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
-    assert ".k2jax_convert/done/globals" in download(d)
+    assert len([k for k in download(d) if k.startswith(".k2jax_convert/done/")]) == 2
     with pytest.raises(IncompleteCheckpointError, match="incomplete conversion"):
         k2jax.load(d)
     resumed = convert(src, d, quiet=True)
@@ -209,7 +209,7 @@ def _fails(argv, capsys, *needles):
 
 
 def _nothing_to_load(url):
-    with pytest.raises((FileNotFoundError, IncompleteCheckpointError)):
+    with pytest.raises((OSError, IncompleteCheckpointError)):
         k2jax.load(url)
 
 

@@ -38,7 +38,7 @@ def done_units(dst) -> set[str]:
 
 def mark_done(dst, unit: str) -> None:
     """Record a unit as finished (after all of its chunks are written)."""
-    dst.write(f"{DONE}/{unit}", b"")
+    dst.write(f"{DONE}/{unit}", b"done\n")  # (not empty: some GCS emulators drop empty uploads)
 
 
 def prepare_dst(dst, job: str, overwrite: bool) -> str:

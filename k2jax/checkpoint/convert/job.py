@@ -182,7 +182,7 @@ def finalize(raw_config: dict, dst, ckpt, dtype: str, leaves: dict, job: str) ->
     dst.write("config.json", json.dumps(hf, indent=2).encode())
     write_orbax_metadata(dst, leaves)
     if dst.remote:
-        dst.write(COMMIT_SUCCESS, b"")
+        dst.write(COMMIT_SUCCESS, b"k2jax convert\n")
     manifest = {
         "format": "k2jax orbax checkpoint", "layout_version": LAYOUT_VERSION, "tool_version": __version__,
         "dtype": dtype, "param_dtype": param_dtype, "quant": quant,

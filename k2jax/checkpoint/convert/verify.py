@@ -115,6 +115,6 @@ def fingerprint(config: bytes, ckpt: Checkpoint, dtype: str) -> str:
     h.update(config)
     for f in sorted(ckpt.files):
         sf = ckpt.files[f]
-        h.update(json.dumps([f, sf.size, sorted(sf.tensors.items())]).encode())
+        h.update(json.dumps([f, sf.size, sorted(t[:-1] for t in sf.tensors.values())]).encode())  # (not t.file)
     h.update(json.dumps([dtype, LAYOUT_VERSION]).encode())
     return h.hexdigest()
