@@ -69,7 +69,7 @@ class HubFiles:
         self.repo_id, self.revision, self.quiet = repo_id, revision, quiet
         self.api = HfApi()
         try:
-            self.sha = self.api.repo_info(repo_id, revision=revision).sha
+            self.sha = self.api.repo_info(repo_id, revision=revision or "main").sha
             tree = list(self.api.list_repo_tree(repo_id, revision=self.sha, recursive=True))
         except Exception as e:  # noqa: BLE001 - mapped to a message naming the repo
             raise hub_error(repo_id, revision, e) from None
