@@ -7,10 +7,10 @@ import sys
 
 
 def _info(args) -> int:
-    from k2jax.config import K2Config
+    from k2jax.checkpoint.hf_source import load_config
     from k2jax.info import format_info
 
-    cfg = K2Config.from_hf_config(args.config)
+    cfg = load_config(args.config)
     print(f"{args.config}: {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, {cfg.num_moe_layers} MoE), "
           f"hidden {cfg.hidden_size}, {cfg.n_routed_experts or 0} experts top-{cfg.num_experts_per_tok}, "
           f"vocab {cfg.vocab_size}")
@@ -30,7 +30,7 @@ def _plan(args) -> int:
             jax.config.update("jax_platforms", "cpu")
         except RuntimeError:
             pass
-    from k2jax.config import K2Config
+    from k2jax.checkpoint.hf_source import load_config
     from k2jax.plan import GiB, chip, format_plan, format_search, plan, search
 
     if args.dtype in ("float8", "fp8", "int4"):
@@ -39,7 +39,7 @@ def _plan(args) -> int:
                          "bfloat16 or float32), as serve and generate take them")
     if args.dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--dtype must be bfloat16 or float32, got {args.dtype!r}")
-    cfg = K2Config.from_hf_config(args.config)
+    cfg = load_config(args.config)
     kw = dict(quant=None if args.quant == "none" else args.quant, dtype=args.dtype, batch=args.batch,
               max_len=args.max_len, kv_dtype=args.kv_cache_dtype, page_size=args.page_size)
     what = f"{args.config}: "
@@ -129,7 +129,7 @@ def _generate(args) -> int:
 
     import k2jax
     from k2jax import distributed as dist
-    from k2jax.tokenizer import KimiTokenizer
+    from k2jax.tokenizer import KimiTokenizer, tokenizer_dir
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt TEXT (with --tokenizer DIR) or --prompt-ids 1,2,3")
@@ -147,16 +147,17 @@ def _generate(args) -> int:
     if args.checkpoint:
         cfg, params = k2jax.load(args.checkpoint, dtype=dtype, mesh=mesh, quant=quant)
     else:
-        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant)
+        cfg, params = k2jax.load_hf(args.hf_checkpoint, dtype=dtype, quant=quant, revision=args.revision)
     dist.log0(f"loaded in {time.perf_counter() - t0:.1f} s")
     model = k2jax.K2Model(cfg, jax_dtype(params))
 
-    tok = KimiTokenizer.from_dir(args.tokenizer) if args.tokenizer else None
+    tok_dir = tokenizer_dir(args.tokenizer) if args.tokenizer else None  # a gs:// URL or repo id: fetched
+    tok = KimiTokenizer.from_dir(tok_dir) if tok_dir else None
     if args.prompt is not None:
         if args.chat:  # the checkpoint's own chat template (k2jax serve renders it the same way)
             from k2jax.serving.chat_template import ChatTemplate
 
-            text = ChatTemplate.from_tokenizer_dir(args.tokenizer).render([{"role": "user", "content": args.prompt}])
+            text = ChatTemplate.from_tokenizer_dir(tok_dir).render([{"role": "user", "content": args.prompt}])
             ids = tok.encode(text, allow_special=True)
         else:
             ids = tok.encode(args.prompt)
@@ -220,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="parameter counts and bytes of a config, per component and per block",
                        description="Count parameters per component and per block from the abstract param tree "
                                    "(no memory allocated), with totals and bytes in bf16 and fp8.")
-    p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
+    p.add_argument("config", help="a HuggingFace config.json (or its directory, a gs:// URL of either, or a Hugging "
+                                  "Face repo id), e.g. configs/kimi_k2.json")
     p.set_defaults(func=_info)
     p = sub.add_parser("plan", help="bytes per chip of a config on a mesh, the mesh to use, and the compiler's check",
                        description="Per-chip bytes of the params, the paged latent KV cache and the sampling state "
@@ -230,9 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and tensor for N chips, ranked by the KV tokens that fit beside the weights "
                                    "(fsdp, a training axis, is left out: it would gather the weights again at every step). "
                                    "--compile TOPOLOGY: the runtime's programs compiled for that TPU slice by the TPU "
-                                   "compiler on this host (needs `pip install 'k2jax[tpu-aot]'`), with the "
+                                   "compiler on this host (needs `.venv/bin/pip install -e '.[tpu-aot]'`), with the "
                                    "compiler's bytes per chip beside the plan's, the collectives and weight checks.")
-    p.add_argument("config", help="a HuggingFace config.json (or its directory), e.g. configs/kimi_k2.json")
+    p.add_argument("config", help="a HuggingFace config.json (or its directory, a gs:// URL of either, e.g. a "
+                                  "converted checkpoint's, or a Hugging Face repo id), e.g. configs/kimi_k2.json")
     p.add_argument("--mesh", help="mesh axis sizes, e.g. expert=64,tensor=4 (axes data, fsdp, expert, tensor; "
                                   "absent = 1)")
     p.add_argument("--chips", type=int, help="search the meshes of this many chips")
@@ -271,9 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(<|im_end|>, [EOS] with --chat; [EOS] otherwise) or the config's eos_token_id with "
                     "--prompt-ids.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="a converted k2jax checkpoint (k2jax convert)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a converted k2jax checkpoint (k2jax convert): a directory "
+                                                         "or gs://BUCKET/PATH")
     src.add_argument("--hf-checkpoint", metavar="DIR",
-                     help="a HuggingFace checkpoint directory (safetensors, FP8 or not), loaded on one device")
+                     help="a HuggingFace checkpoint (safetensors, FP8 or not): a directory, gs://BUCKET/PATH or a "
+                          "Hugging Face repo id; loaded on one device")
+    p.add_argument("--revision", help="with a repo id --hf-checkpoint: the branch, tag or commit (default main)")
     p.add_argument("--mesh", help="shard over a device mesh, e.g. expert=4,data=2 (with --checkpoint)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype (default: the checkpoint's; bfloat16 for the FP8 release)")
@@ -282,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint's e4m3 blocks as stored; int4 = routed experts in 4 bits (a Kimi-K2-Thinking "
                         "checkpoint's as stored, an FP8 one's requantized: lossy), the rest in --dtype")
     p.add_argument("--prompt", help="prompt text (needs --tokenizer)")
-    p.add_argument("--tokenizer", metavar="DIR", help="directory with tiktoken.model and tokenizer_config.json")
+    p.add_argument("--tokenizer", metavar="DIR", help="directory with tiktoken.model and tokenizer_config.json (and "
+                                                      "the chat template), a gs:// URL of one, or a Hugging Face "
+                                                      "repo id, e.g. moonshotai/Kimi-K2-Instruct")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn in the Kimi chat format")
     p.add_argument("--prompt-ids", metavar="IDS", help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default 128)")
@@ -333,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, a missing or unreadable path, gs:// or Hub errors
         print(f"k2jax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", help="mesh over the devices, e.g. expert=4,data=2 (default expert=<devices>)")
     p.add_argument("--config", metavar="CONFIG.json",
                    help="another HF config.json (e.g. configs/bench.json) instead of the built-in demo config; its "
-                        "vocab_size must be at least 1012 (the demo tokenizer's ids) for text prompts")
+                        "vocab_size must be at least 1024 (the demo tokenizer's ids) for text prompts")
     p.add_argument("--quant", default="none", choices=("none", "fp8", "int4"),
                    help="weights held on the devices: none = bf16 (default); fp8 = the checkpoint's e4m3 blocks as "
                         "converted; int4 = the routed experts requantized to 4 bits (lossy), the rest bf16")

@@ -34,8 +34,9 @@ DEMO_CONFIG = {
     "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
 }
-# The demo tokenizer, shipped with the package: 500 BPE merges (1012 ids with the 256 reserved specials, so it
-# fits vocab_size 1024), made by tests/bpe.py's trainer (tests/test_tokenizer.py checks these files are its output).
+# The demo tokenizer, shipped with the package: 512 BPE merges, 768 tokens, + the 256 reserved specials = 1024
+# ids, exactly vocab_size (as Kimi's 163584 + 256 = 163840): every id the model can sample is a token. Made by
+# tests/bpe.py's trainer (tests/test_tokenizer.py checks these files are its output).
 DEMO_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "data" / "demo_tokenizer"
 
 

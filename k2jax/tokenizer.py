@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import os
 from pathlib import Path
@@ -67,6 +68,43 @@ def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     return ranks
 
 
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja")
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_dir(location: str | os.PathLike) -> str:
+    """A local directory holding the tokenizer (and chat template) files at `location`: a local directory as it
+    is; a gs:// prefix's `tiktoken.model`, `tokenizer_config.json` and `chat_template.jinja` copied into
+    ~/.cache/k2jax/gcs/...; a Hugging Face repo id's fetched into the HF cache. A location that is none of these is
+    a FileNotFoundError naming it."""
+    from k2jax.checkpoint import storage
+
+    loc = storage.location(location)
+    if storage.is_gcs(loc):
+        d = storage.open_dir(loc)
+        local = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "k2jax" / "gcs" / d.bucket / d.prefix
+        found = False
+        for name in TOKENIZER_FILES:
+            data = d.read(name)
+            if data is not None:
+                local.mkdir(parents=True, exist_ok=True)
+                (local / f"{name}.tmp{os.getpid()}").write_bytes(data)
+                os.replace(local / f"{name}.tmp{os.getpid()}", local / name)
+                found = True
+            else:
+                (local / name).unlink(missing_ok=True)
+        if not found:
+            raise FileNotFoundError(f"{loc}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
+        return str(local)
+    if os.path.exists(loc):
+        return loc
+    from k2jax.checkpoint import hub
+
+    if hub.is_repo_id(loc):
+        return str(hub.fetch_small(loc, TOKENIZER_FILES))
+    raise FileNotFoundError(f"tokenizer directory not found: {loc} (nor a gs:// URL or a Hugging Face repo id)")
+
+
 def _token_content(v) -> str | None:
     """tokenizer_config stores tokens either as a string or as an AddedToken dict."""
     return v.get("content") if isinstance(v, dict) else v
@@ -97,8 +135,9 @@ class KimiTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "KimiTokenizer":
-        """Load `tiktoken.model` and, if present, `tokenizer_config.json` from `path`."""
-        path = Path(path)
+        """Load `tiktoken.model` and, if present, `tokenizer_config.json` from `path`: a directory, a gs:// URL
+        or a Hugging Face repo id (see `tokenizer_dir`)."""
+        path = Path(tokenizer_dir(path))
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {path} (expected {path / 'tiktoken.model'})")
         ranks = load_ranks(path / "tiktoken.model")

@@ -14,7 +14,7 @@ import regex  # installed with tiktoken
 
 from k2jax.tokenizer import KIMI_SPECIAL_OFFSETS, NUM_RESERVED_SPECIAL, PAT_STR
 
-DEMO_MERGES = 500  # the shipped demo tokenizer: 1012 ids with the reserved specials, fits vocab_size 1024
+DEMO_MERGES = 512  # the shipped demo tokenizer: 768 tokens + the 256 reserved specials = 1024 ids, the demo vocab_size
 
 
 def split_pieces(text: str) -> list[str]:

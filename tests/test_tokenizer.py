@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from k2jax.synthetic import DEMO_TOKENIZER_DIR, demo_tokenizer
+from k2jax.synthetic import DEMO_CONFIG, DEMO_TOKENIZER_DIR, demo_tokenizer
 from k2jax.tokenizer import KIMI_NUM_REGULAR, KIMI_SPECIAL_OFFSETS, KimiTokenizer, load_ranks
 from tests.bpe import DEMO_MERGES, split_pieces, write_test_tokenizer
 
@@ -180,11 +180,11 @@ def test_errors(tmp_path, tok_dir):
 
 def test_shipped_demo_tokenizer_is_the_trainers_output(tmp_path):
     """k2jax/data/demo_tokenizer holds exactly what tests/bpe.py writes (`python -m tests.bpe` regenerates it),
-    and loads as the demo's vocabulary: 1012 ids, so a vocab_size of 1024 covers it."""
+    and loads as the demo's vocabulary: 1024 ids, exactly the demo config's vocab_size."""
     made = write_test_tokenizer(tmp_path / "tok", num_merges=DEMO_MERGES)
     shipped = sorted(p.name for p in DEMO_TOKENIZER_DIR.iterdir())
     assert shipped == sorted(p.name for p in made.iterdir()) == ["tiktoken.model", "tokenizer_config.json"]
     for name in shipped:
         assert (DEMO_TOKENIZER_DIR / name).read_bytes() == (made / name).read_bytes(), name
     tok = demo_tokenizer()
-    assert tok.vocab_size == 1012 and tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]
+    assert tok.vocab_size == DEMO_CONFIG["vocab_size"] == 1024 and tok.decode(tok.encode(TEXTS[0])) == TEXTS[0]

@@ -1,25 +1,26 @@
 """The converter's writer: each slot of a leaf's zarr array written as the chunk files tensorstore would write,
-with O_DIRECT where the filesystem allows it (see ChunkWriter). The layout is k2jax.checkpoint.orbax_layout's."""
+with O_DIRECT where the filesystem allows it (see ChunkWriter), or as objects of a gs:// DST through tensorstore's
+gcs kvstore. The layout is k2jax.checkpoint.orbax_layout's."""
 
 from __future__ import annotations
 
 import errno
 import itertools
 import os
-import pathlib
 
 import numpy as np
 import tensorstore as ts
 
 from k2jax.checkpoint.safetensors_io import ALIGN
+from k2jax.checkpoint.storage import open_dir
 
 CHUNK_TMP = ".__tmp_k2jax"  # a chunk being written; renamed into place when whole
 
 
-def open_array(dst: pathlib.Path, name: str, spec: dict, create: bool):
-    """The zarr array of one leaf (`spec`: {"shape", "dtype", "chunks"} as in the manifest), created (its
-    .zarray) if absent; a ValueError if an existing one does not match."""
-    return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": os.fspath(dst / name)},
+def open_array(dst, name: str, spec: dict, create: bool):
+    """The zarr array of one leaf (`spec`: {"shape", "dtype", "chunks"} as in the manifest) in DST (a path or a
+    storage.LocalDir / GcsDir), created (its .zarray) if absent; a ValueError if an existing one does not match."""
+    return ts.open({"driver": "zarr", "kvstore": open_dir(dst).kvstore(name),
                     "metadata": {"shape": spec["shape"], "chunks": spec["chunks"], "compressor": None,
                                  "dtype": np.dtype(spec["dtype"]).str if spec["dtype"] in ("float32", "uint8")
                                  else spec["dtype"]}},
@@ -37,9 +38,11 @@ class ChunkWriter:
     writeback) costs more CPU than the conversion itself; the data goes from our buffer to the disk.
     """
 
-    def __init__(self, dst: pathlib.Path, leaves: dict[str, dict], direct: bool):
-        self.dst, self.leaves = dst, leaves
-        self.direct = direct and hasattr(os, "O_DIRECT")
+    def __init__(self, dst, leaves: dict[str, dict], direct: bool):
+        d = open_dir(dst)
+        self.remote = d if d.remote else None  # a GcsDir: chunks are objects, written whole by one request
+        self.dst, self.leaves = (None if d.remote else d.path), leaves
+        self.direct = direct and hasattr(os, "O_DIRECT") and not d.remote
 
     def write(self, name: str, index: tuple[int, ...], x: np.ndarray, scratch, start=None) -> None:
         """Write x, C-contiguous, as the part of the slot `index` (leading stacked axes) of leaf `name` that
@@ -59,7 +62,10 @@ class ChunkWriter:
                 np.copyto(buf, part)
                 part = buf
             key = ".".join(str(i) for i in (*index, *(s // c + i for s, c, i in zip(start, chunks, cell))))
-            self._write_file(os.path.join(self.dst, name, key), part.reshape(-1).view(np.uint8))
+            if self.remote is not None:
+                self.remote.write(f"{name}/{key}", part.reshape(-1).view(np.uint8).tobytes())
+            else:
+                self._write_file(os.path.join(self.dst, name, key), part.reshape(-1).view(np.uint8))
 
     def _write_file(self, path: str, data: np.ndarray) -> None:
         tmp = path + CHUNK_TMP

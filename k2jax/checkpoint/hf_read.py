@@ -15,6 +15,7 @@ from flax import traverse_util
 
 from k2jax.checkpoint import int4 as int4_format
 from k2jax.checkpoint.fp8 import dequantize_fp8_blocks
+from k2jax.checkpoint.hf_source import config_from, open_source, safetensors_files
 from k2jax.checkpoint.hf_validate import Source, check_checkpoint, quant_problems, raise_problems, text_prefix
 from k2jax.checkpoint.safetensors_io import Checkpoint
 from k2jax.config import K2Config
@@ -25,8 +26,11 @@ from k2jax.quant_policy import FORMATS, check_quant
 log = logging.getLogger("k2jax.checkpoint")
 
 
-def load_hf(path: str | os.PathLike, dtype=None, quant: str | None = None) -> tuple[K2Config, dict[str, Any]]:
-    """Load a HuggingFace DeepSeek-V3 / Kimi K2 checkpoint directory into k2jax params, in memory.
+def load_hf(path: str | os.PathLike, dtype=None, quant: str | None = None,
+            revision: str | None = None) -> tuple[K2Config, dict[str, Any]]:
+    """Load a HuggingFace DeepSeek-V3 / Kimi K2 checkpoint into k2jax params, in memory: a local directory, a
+    gs:// URL (tensors read in ranges, nothing downloaded whole) or a Hugging Face repo id (at `revision`,
+    downloaded into the HF cache; see k2jax.checkpoint.hf_source).
 
     Returns (cfg, params) with params exactly the tree, shapes and dtypes of `abstract_params(cfg, dtype,
     quant)` as jax arrays. dtype None keeps the checkpoint's own float dtype (bf16 for the FP8 and INT4
@@ -44,11 +48,13 @@ def load_hf(path: str | os.PathLike, dtype=None, quant: str | None = None) -> tu
     A plain float checkpoint with quant "fp8" or "int4" is refused (nothing there to keep): load it with
     quant=None and quantize the tree (k2jax.quantize_params) if that is what you want.
     """
-    cfg = K2Config.from_hf_config(path)
+    files, raw = open_source(path, revision)
+    cfg = config_from(raw, files.name("config.json"))
     check_quant(quant)
-    with Checkpoint(path) as ckpt:
-        checked = check_checkpoint(cfg, ckpt, prefix=text_prefix(path))
-        raise_problems(checked.problems + quant_problems(checked, quant, ckpt), f"checkpoint {os.fspath(path)}")
+    files.fetch(safetensors_files(files))
+    with Checkpoint(files) as ckpt:
+        checked = check_checkpoint(cfg, ckpt, prefix=text_prefix(raw))
+        raise_problems(checked.problems + quant_problems(checked, quant, ckpt), f"checkpoint {files}")
         if note := checked.vision_note(path):
             log.warning(note)
         dtype = checked.float_dtype() if dtype is None else jnp.dtype(dtype)

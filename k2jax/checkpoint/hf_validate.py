@@ -26,16 +26,19 @@ N_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.
 FLOAT_CODES = tuple(N_DTYPES)
 
 
-def text_prefix(path: str | os.PathLike) -> str:
+def text_prefix(path) -> str:
     """Where the text model's tensors are in the checkpoint at `path` (a directory with config.json, or one
-    .safetensors file beside it): names.TEXT_PREFIX when config.json nests the text model's config in
-    `text_config` (Kimi-K2.5 / K2.6, KimiK25ForConditionalGeneration), else ""."""
-    p = pathlib.Path(path)
-    config = (p if p.is_dir() else p.parent) / "config.json"
-    try:
-        raw = json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError):
-        return ""  # reported by K2Config.from_hf_config
+    .safetensors file beside it; or config.json's parsed dict): names.TEXT_PREFIX when config.json nests the text
+    model's config in `text_config` (Kimi-K2.5 / K2.6, KimiK25ForConditionalGeneration), else ""."""
+    if isinstance(path, dict):
+        raw = path
+    else:
+        p = pathlib.Path(path)
+        config = (p if p.is_dir() else p.parent) / "config.json"
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, json.JSONDecodeError):
+            return ""  # reported by K2Config.from_hf_config
     return hf_names.TEXT_PREFIX if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else ""
 
 
@@ -104,13 +107,15 @@ def fp8_block(cfg: K2Config) -> tuple[int, int]:
 
 
 def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = None,
-                     prefix: str = "") -> Validation:
+                     prefix: str = "", read_data: bool = True) -> Validation:
     """Resolve and validate the tensors `names` (default: all in the checkpoint) against `cfg`.
 
     Problems found: unknown tensors, tensors used twice, wrong dtypes or shapes, FP8 weights without a
     (well-shaped, finite, positive) scale, orphan scales, and, when checking the whole checkpoint, missing
     tensors. Each names the tensor and its file. prefix: where the text model's tensors are (see
     `text_prefix`); with one, the vision tensors beside it are listed in Validation.vision and not read.
+    read_data False: the headers only; the scales' values are left to `data_problems` (e.g. each host of a
+    multi-host conversion checks those of its own layers).
     """
     block = fp8_block(cfg)
     fmt, problems = int4_format.check_config(cfg.quantization_config)
@@ -159,7 +164,7 @@ def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = 
         if target.int4:
             experts.setdefault(target.hf_layer, {}).setdefault(bool(part), name)
         if part:  # INT4 pack-quantized
-            found = _check_int4(ckpt, cfg, fmt, target, name, want, present)
+            found = _check_int4(ckpt, cfg, fmt, target, name, want, present, read_data)
             problems += found
             sources.append(Source(target, "INT4", hf_names.int4_names(weight)["scale"], name))
             continue
@@ -172,7 +177,7 @@ def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = 
                 problems.append(f"{where(name)}: F8_E4M3 weight without its scale {scale!r}")
             else:
                 src.scale = scale
-                problems += _check_scale(ckpt, scale, info.shape, block)
+                problems += _check_scale(ckpt, scale, info.shape, block, read_data)
         elif info.dtype not in FLOAT_CODES:
             problems.append(f"{where(name)}: dtype {info.dtype} is not a float type")
         elif scale in ckpt.tensors:
@@ -193,7 +198,8 @@ def check_checkpoint(cfg: K2Config, ckpt: Checkpoint, names: list[str] | None = 
     return Validation(sources, problems, block, fmt, vision)
 
 
-def _check_int4(ckpt: Checkpoint, cfg: K2Config, fmt, target: hf_names.Target, packed: str, want, present) -> list[str]:
+def _check_int4(ckpt: Checkpoint, cfg: K2Config, fmt, target: hf_names.Target, packed: str, want, present,
+                read: bool = True) -> list[str]:
     """Problems of one pack-quantized weight (`packed` is its `_packed` tensor; want: HF [out, in])."""
     info, names = ckpt.tensors[packed], hf_names.int4_names(target.name)
 
@@ -226,22 +232,32 @@ def _check_int4(ckpt: Checkpoint, cfg: K2Config, fmt, target: hf_names.Target, p
     elif ckpt.tensors[s].shape != int4_format.scale_shape(out, inn) or ckpt.tensors[s].dtype not in FLOAT_CODES:
         problems.append(f"{where(s)}: {ckpt.tensors[s].dtype} {list(ckpt.tensors[s].shape)}, expected a float "
                         f"{list(int4_format.scale_shape(out, inn))} = one per output row and group of {int4_format.GROUP} inputs")
-    else:
-        x = ckpt.read(s).astype(np.float32)
-        bad = ~np.isfinite(x) | (x <= 0)
-        if bad.any():
-            problems.append(f"{where(s)}: {int(bad.sum())} scale(s) not finite and positive, e.g. {x[bad].flat[0]} "
-                            f"at [row, group] {[int(i) for i in np.argwhere(bad)[0]]}")
+    elif read:
+        problems += _int4_scale_values(ckpt, s)
     sh = names["shape"]
     if sh not in ckpt.tensors or sh not in present:
         problems.append(f"{where(packed)}: INT4 weight without its {sh!r}")
     elif ckpt.tensors[sh].dtype not in ("I64", "I32") or ckpt.tensors[sh].shape != (2,):
         problems.append(f"{where(sh)}: {ckpt.tensors[sh].dtype} {list(ckpt.tensors[sh].shape)}, expected I64 [2]")
-    else:
-        got = [int(v) for v in ckpt.read(sh)]
-        if got != [out, inn]:
-            problems.append(f"{where(sh)}: {got}, but config.json implies the weight is [{out}, {inn}]")
+    elif read:
+        problems += _int4_shape_values(ckpt, sh, out, inn)
     return problems
+
+
+def _int4_scale_values(ckpt: Checkpoint, s: str) -> list[str]:
+    x = ckpt.read(s).astype(np.float32)
+    bad = ~np.isfinite(x) | (x <= 0)
+    if bad.any():
+        return [f"{s!r} ({ckpt.file_of(s)}): {int(bad.sum())} scale(s) not finite and positive, e.g. "
+                f"{x[bad].flat[0]} at [row, group] {[int(i) for i in np.argwhere(bad)[0]]}"]
+    return []
+
+
+def _int4_shape_values(ckpt: Checkpoint, sh: str, out: int, inn: int) -> list[str]:
+    got = [int(v) for v in ckpt.read(sh)]
+    if got != [out, inn]:
+        return [f"{sh!r} ({ckpt.file_of(sh)}): {got}, but config.json implies the weight is [{out}, {inn}]"]
+    return []
 
 
 def _resolves(name: str, cfg: K2Config, prefix: str) -> bool:
@@ -251,7 +267,7 @@ def _resolves(name: str, cfg: K2Config, prefix: str) -> bool:
         return True  # report the orphan scale; the weight's own name problem is reported elsewhere
 
 
-def _check_scale(ckpt: Checkpoint, scale: str, weight_shape, block) -> list[str]:
+def _check_scale(ckpt: Checkpoint, scale: str, weight_shape, block, read: bool = True) -> list[str]:
     info, where = ckpt.tensors[scale], f"{scale!r} ({ckpt.file_of(scale)})"
     if len(weight_shape) != 2:
         return [f"{where}: block scales need a 2-D weight, got {list(weight_shape)}"]
@@ -261,12 +277,34 @@ def _check_scale(ckpt: Checkpoint, scale: str, weight_shape, block) -> list[str]
                 f"{list(block)})"]
     if info.dtype not in FLOAT_CODES:
         return [f"{where}: dtype {info.dtype} is not a float type"]
+    return _scale_values(ckpt, scale) if read else []
+
+
+def _scale_values(ckpt: Checkpoint, scale: str) -> list[str]:
+    where = f"{scale!r} ({ckpt.file_of(scale)})"
     s = ckpt.read(scale).astype(np.float32)
     bad = ~np.isfinite(s) | (s <= 0)
     if bad.any():
         return [f"{where}: {int(bad.sum())} scale(s) not finite and positive, e.g. {s[bad].flat[0]} at "
                 f"block {[int(i) for i in np.argwhere(bad)[0]]}"]
     return []
+
+
+def data_problems(cfg: K2Config, ckpt: Checkpoint, checked: Validation, which=None) -> list[str]:
+    """The value checks `check_checkpoint(read_data=False)` left out (FP8 and INT4 scales finite and positive,
+    INT4 shape tensors), for the sources `which(source)` selects (default: all). Run after the header checks
+    passed (so every tensor read here is there and well-shaped)."""
+    problems = []
+    for src in checked.sources:
+        if src.scale is None or (which is not None and not which(src)):
+            continue
+        if src.dtype != "INT4":
+            problems += _scale_values(ckpt, src.scale)
+            continue
+        out, inn = src.target.transform.source_shape(hf_names.slot_shape(src.target, cfg))
+        problems += _int4_scale_values(ckpt, src.scale)
+        problems += _int4_shape_values(ckpt, hf_names.int4_names(src.target.name)["shape"], out, inn)
+    return problems
 
 
 def _missing(cfg: K2Config, found: set[str], prefix: str) -> list[str]:

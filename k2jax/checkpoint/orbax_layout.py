@@ -11,6 +11,9 @@ Layout of a converted directory DST (layout version 2):
     DST/config.json               the model's HF config
     DST/k2jax_manifest.json       written last, atomically: the completion marker (see `MANIFEST`)
     DST/.k2jax_convert/           only while converting: the job and the units already written (resume state)
+    DST/commit_success.txt        on gs:// only: Orbax's own completion marker there (no atomic rename on GCS)
+
+DST is a local directory or a gs:// prefix (k2jax.checkpoint.storage): the same objects either way.
 
 The tree of a `--dtype` (CONVERSIONS): bfloat16 / float32 = abstract_params(cfg, dtype); float8 =
 abstract_params(cfg, bfloat16, quant="fp8") (e4m3 values, float32 block scales); int4 = abstract_params(cfg,
@@ -32,14 +35,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from k2jax.checkpoint.storage import bucket_exists, open_dir
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params
 from k2jax.quant_policy import stacked_axes
@@ -48,6 +50,7 @@ LAYOUT_VERSION = 2
 MANIFEST = "k2jax_manifest.json"
 PROGRESS = ".k2jax_convert"
 ORBAX_METADATA = "_METADATA"
+COMMIT_SUCCESS = "commit_success.txt"  # what Orbax looks for in a finished checkpoint on GCS
 CHUNK_BYTES = 64 << 20
 # `--dtype` of a conversion -> the (param dtype, quant) of the tree it stores.
 CONVERSIONS = {"bfloat16": ("bfloat16", None), "float32": ("float32", None), "float8": ("bfloat16", "fp8"),
@@ -101,23 +104,7 @@ def leaf_specs(cfg: K2Config, dtype: str) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def atomic_write(path: pathlib.Path, text: str) -> None:
-    """Write, fsync, rename: a reader sees the old file or the whole new one, never a part. (The temporary name
-    is this process's own: processes sharing a filesystem may write the same file.)"""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_orbax_metadata(dst: pathlib.Path, leaves: dict[str, dict]) -> None:
+def write_orbax_metadata(dst, leaves: dict[str, dict]) -> None:
     """Orbax's `_METADATA` for the leaves (name -> spec): what `PyTreeCheckpointHandler` writes for a
     non-OCDBT zarr-v2 checkpoint of the same tree (a QuantizedWeight's fields are keyed like dict keys)."""
     tree = {}
@@ -129,28 +116,31 @@ def write_orbax_metadata(dst: pathlib.Path, leaves: dict[str, dict]) -> None:
         }
     meta = {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
-    atomic_write(dst / ORBAX_METADATA, json.dumps(meta, indent=1))
+    open_dir(dst).write(ORBAX_METADATA, json.dumps(meta, indent=1).encode())
 
 
-def read_manifest(ckpt_dir: str | os.PathLike) -> dict:
-    """The manifest of a complete conversion; IncompleteCheckpointError (with the reason) otherwise. A layout
-    version 1 manifest of a bfloat16 / float32 conversion (the same tree) is read as version 2; of a float8 or
-    int4 one (scales stored beside their weight) refused with a message to convert again."""
-    d = pathlib.Path(ckpt_dir)
-    if not d.is_dir():
-        raise FileNotFoundError(f"{d}: no such checkpoint directory")
-    m = d / MANIFEST
-    if not m.is_file():
-        if (d / PROGRESS).is_dir():
+def read_manifest(ckpt_dir) -> dict:
+    """The manifest of a complete conversion (a local directory or gs:// URL); IncompleteCheckpointError (with
+    the reason) otherwise. A layout version 1 manifest of a bfloat16 / float32 conversion (the same tree) is
+    read as version 2; of a float8 or int4 one (scales stored beside their weight) refused with a message to
+    convert again."""
+    d = open_dir(ckpt_dir)
+    raw = d.read(MANIFEST)
+    if raw is None:
+        if not d.exists():
+            if d.remote and not bucket_exists(d.bucket):
+                raise FileNotFoundError(f"{d}: no such bucket gs://{d.bucket}")
+            raise FileNotFoundError(f"{d}: no such checkpoint directory")
+        if d.any(PROGRESS):
             raise IncompleteCheckpointError(
                 f"{d}: incomplete conversion (interrupted or still running; no {MANIFEST}): rerun the same "
                 f"`k2jax convert` command to finish it")
         raise IncompleteCheckpointError(f"{d}: not a k2jax checkpoint (no {MANIFEST}); convert a HuggingFace "
                                         f"checkpoint with `k2jax convert SRC DST`, or use k2jax.load_hf")
     try:
-        manifest = json.loads(m.read_text())
-    except json.JSONDecodeError as e:
-        raise IncompleteCheckpointError(f"{m}: corrupt manifest: {e}") from None
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IncompleteCheckpointError(f"{d.name(MANIFEST)}: corrupt manifest: {e}") from None
     version, dtype = manifest.get("layout_version"), manifest.get("dtype")
     if version == 1 and dtype in ("bfloat16", "float32"):
         return manifest | {"layout_version": LAYOUT_VERSION}
@@ -160,18 +150,21 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> dict:
                          f"inside each QuantizedWeight): convert it again, `k2jax convert SRC {d} --dtype {dtype} "
                          f"--overwrite`")
     if version != LAYOUT_VERSION or dtype not in CONVERSIONS:
-        raise ValueError(f"{m}: layout version {version!r}, dtype {dtype!r}; this k2jax reads layout "
+        raise ValueError(f"{d.name(MANIFEST)}: layout version {version!r}, dtype {dtype!r}; this k2jax reads layout "
                          f"{LAYOUT_VERSION} ({', '.join(CONVERSIONS)}): convert again with this version")
     return manifest
 
 
-def stored_array(ckpt_dir: str | os.PathLike, name: str) -> dict:
+def stored_array(ckpt_dir, name: str) -> dict:
     """{"shape", "dtype", "chunks"} of one stored array, from its own zarr metadata."""
-    path = pathlib.Path(ckpt_dir) / name / ".zarray"
+    d = open_dir(ckpt_dir)
     try:
-        z = json.loads(path.read_text())
+        raw = d.read(f"{name}/.zarray")
+        if raw is None:
+            raise FileNotFoundError(f"{d.name(name + '/.zarray')}: no such file")
+        z = json.loads(raw)
     except (OSError, json.JSONDecodeError) as e:
-        raise IncompleteCheckpointError(f"{ckpt_dir}: tensor {name}: cannot read its array metadata: {e}") from None
+        raise IncompleteCheckpointError(f"{d}: tensor {name}: cannot read its array metadata: {e}") from None
     return {"shape": list(z["shape"]), "dtype": np.dtype(z["dtype"]).name, "chunks": list(z["chunks"])}
 
 

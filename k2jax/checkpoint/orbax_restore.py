@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from k2jax.checkpoint.hf_source import load_config
 from k2jax.checkpoint.orbax_layout import (CONVERSIONS, check_matches, leaves_by_name, read_bytes, read_manifest,
                                            stored_array)
-from k2jax.config import K2Config
+from k2jax.checkpoint.storage import open_dir
 from k2jax.nn.model import abstract_params
 from k2jax.nn.quantized import requantize_params
 from k2jax.quant_policy import check_quant
@@ -32,7 +33,8 @@ MAX_INFLIGHT_BYTES = 8 << 30
 
 
 def restore(ckpt_dir: str | os.PathLike, target, shardings=None, max_inflight_bytes: int | None = None):
-    """Orbax restore of (a subset of) the stored tree.
+    """Orbax restore of (a subset of) the stored tree, from a local directory or a gs:// URL (tensorstore's gcs
+    kvstore under Orbax).
 
     target: a tree of jax.ShapeDtypeStruct (QuantizedWeight nodes included) with the stored shapes (a different
     float dtype is cast on read). shardings: the same tree of jax.sharding.Sharding (e.g.
@@ -46,15 +48,16 @@ def restore(ckpt_dir: str | os.PathLike, target, shardings=None, max_inflight_by
     MAX_INFLIGHT_BYTES, raised to fit the largest single read): the host memory a restore needs is that, not
     the model or an expert stack, even where one process's devices hold every expert.
     """
+    d = open_dir(ckpt_dir)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = jax.tree.map(lambda _: one, target)
     flat_s = leaves_by_name(shardings)
     largest = 0
     for name, t in leaves_by_name(target).items():
-        spec = stored_array(ckpt_dir, name)
+        spec = stored_array(d, name)
         if tuple(spec["shape"]) != tuple(t.shape):
-            raise ValueError(f"{ckpt_dir}: tensor {name}: requested shape {tuple(t.shape)}, stored "
+            raise ValueError(f"{d}: tensor {name}: requested shape {tuple(t.shape)}, stored "
                              f"{tuple(spec['shape'])}")
         for index in flat_s[name].addressable_devices_indices_map(t.shape).values():
             largest = max(largest, read_bytes(spec, index))
@@ -65,7 +68,7 @@ def restore(ckpt_dir: str | os.PathLike, target, shardings=None, max_inflight_by
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target, shardings)
     handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=limit / 1e9)  # Orbax counts in units of 1e9 B
     with ocp.Checkpointer(handler) as ckptr:
-        return ckptr.restore(os.path.abspath(ckpt_dir), args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
+        return ckptr.restore(d.orbax_path(), args=ocp.args.PyTreeRestore(item=abstract, restore_args=args))
 
 
 def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg=None,
@@ -92,9 +95,10 @@ def load(ckpt_dir: str | os.PathLike, dtype=None, mesh=None, shardings=None, cfg
     runtime settings); a cfg whose params differ from the stored tensors is refused with a ValueError naming
     the first mismatched tensor. An interrupted conversion is refused with IncompleteCheckpointError.
     """
+    ckpt_dir = open_dir(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
     what = "the given cfg" if cfg is not None else "its config.json"
-    cfg = K2Config.from_hf_config(ckpt_dir) if cfg is None else cfg
+    cfg = load_config(str(ckpt_dir)) if cfg is None else cfg
     check_quant(quant)
     if dtype is not None and str(dtype) in ("float8", "float8_e4m3fn"):
         raise ValueError(f"{ckpt_dir}: dtype={str(dtype)!r}: a float8 conversion's e4m3 weights and scales load as "

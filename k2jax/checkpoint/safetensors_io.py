@@ -4,7 +4,12 @@ File layout: 8-byte little-endian header length n, n bytes of JSON {name: {dtype
 "__metadata__": {...}}, then the data; offsets are relative to the end of the header. Headers are parsed
 here, not by the safetensors library, so that every error names the file and the tensor.
 
-Reads use os.pread on one descriptor per file (no shared file position): `read` may be called from many
+A file is local (SafetensorsFile) or remote (RemoteSafetensorsFile: a gs:// object, or a Hugging Face Hub file
+read for its header only, through an fsspec filesystem: gcsfs, huggingface_hub's HfFileSystem): a remote read is
+one ranged request for just the bytes asked for, never a download of the file. A checkpoint's files come from a
+`FileSource` (k2jax.checkpoint.hf_source): a local directory, a gs:// prefix, or a Hub repo.
+
+Local reads use os.pread on one descriptor per file (no shared file position): `read` may be called from many
 threads at once, one tensor per call. With direct=True (the converter) tensor data is read with O_DIRECT,
 bypassing the page cache: a streaming pass reads every byte once, and filling the page cache costs more CPU
 than the copy itself (page allocation and reclaim), which is what bounds a conversion on a few cores.
@@ -13,6 +18,7 @@ than the copy itself (page allocation and reclaim), which is what bounds a conve
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -211,10 +217,8 @@ class SafetensorsFile:
             got += k
         return buf if out is not None else bytes(buf)
 
-    def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """The tensor `name` (or its rows [a, b) when rows=(a, b): a contiguous part) as a writable numpy array
-        (bf16/fp8 as ml_dtypes types): a fresh one, or with `scratch` a view of its "read" buffer (valid until
-        this thread's next read with it)."""
+    def span(self, name: str, rows: tuple[int, int] | None = None) -> tuple[TensorInfo, tuple[int, ...], int, int]:
+        """(info, shape, begin, end) of the tensor `name`, or of its rows [a, b) (a contiguous part)."""
         info = self.tensors.get(name)
         if info is None:
             raise KeyError(f"{self.path}: no tensor {name!r}")
@@ -224,6 +228,13 @@ class SafetensorsFile:
                 raise ValueError(f"{self.path}: tensor {name!r} {list(shape)}: no rows {rows}")
             row = math.prod(shape[1:]) * info.np_dtype.itemsize
             shape, begin, end = (rows[1] - rows[0], *shape[1:]), begin + rows[0] * row, begin + rows[1] * row
+        return info, shape, begin, end
+
+    def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor `name` (or its rows [a, b) when rows=(a, b): a contiguous part) as a writable numpy array
+        (bf16/fp8 as ml_dtypes types): a fresh one, or with `scratch` a view of its "read" buffer (valid until
+        this thread's next read with it)."""
+        info, shape, begin, end = self.span(name, rows)
         if not self._direct or end == begin:
             arr = np.empty(shape, info.np_dtype) if scratch is None else scratch.array("read", shape, info.np_dtype)
             if end > begin:
@@ -270,10 +281,72 @@ class SafetensorsFile:
         self.close()
 
 
+class RemoteSafetensorsFile(SafetensorsFile):
+    """A .safetensors file in object storage or on the Hub, read through an fsspec filesystem `fs` (thread-safe:
+    gcsfs and HfFileSystem run their requests on their own event loop or session): the header with two ranged
+    reads on open, each tensor (or rows of it) with one ranged read of exactly its bytes. `name` is what
+    messages call it (e.g. its gs:// URL); `size`, if known, saves a metadata request. `errors` turns a client
+    error into one naming the file."""
+
+    def __init__(self, fs, path: str, name: str, size: int | None = None, errors=None):
+        self.fs, self.key, self.path = fs, path, name
+        self._errors = errors or (lambda e: e)
+        self._fd = self._dfd = -1
+        self._direct = False
+        self.size = self._call(lambda: fs.size(path)) if size is None else size
+        self.tensors, self.metadata = self._read_header()
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except SafetensorsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the client's own error types, named by `errors`
+            raise self._errors(e) from None
+
+    def _pread(self, n: int, offset: int, out: memoryview | None = None) -> bytes | memoryview:
+        data = self._call(lambda: self.fs.cat_file(self.key, start=offset, end=offset + n)) if n else b""
+        if len(data) != n:
+            raise SafetensorsError(f"{self.path}: unexpected end of object at byte {offset + len(data)} (wanted "
+                                   f"{n} bytes at {offset}; the object shrank or is truncated)")
+        if out is None:
+            return bytes(data)
+        out[:n] = data
+        return out
+
+
 # ------------------------------------------------------------------------------------------------------
+class LocalFiles:
+    """The files of a local checkpoint directory (the FileSource interface; remote ones are in
+    k2jax.checkpoint.hf_source): `name(f)` is what messages call file `f`, `exists(f)`, `read(f)` its bytes,
+    `open(f, direct)` a SafetensorsFile."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = pathlib.Path(root)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def name(self, f: str) -> str:
+        return str(self.root / f)
+
+    def exists(self, f: str) -> bool:
+        return (self.root / f).is_file()
+
+    def read(self, f: str) -> bytes:
+        return (self.root / f).read_bytes()
+
+    def open(self, f: str, direct: bool = False) -> SafetensorsFile:
+        return SafetensorsFile(self.root / f, direct)
+
+    def fetch(self, files) -> None:
+        """Nothing to fetch: the files are here."""
+
+
 class Checkpoint:
     """A HuggingFace safetensors checkpoint: a directory with `model.safetensors.index.json` (sharded) or
-    `model.safetensors`, or a single .safetensors file.
+    `model.safetensors`, a single .safetensors file, or the same files elsewhere (`source`, a FileSource:
+    k2jax.checkpoint.hf_source).
 
     `tensors` maps every readable tensor name to its TensorInfo; `problems` lists inconsistencies between
     the index and the files (each naming tensor and file), for the caller to report with its own;
@@ -281,39 +354,42 @@ class Checkpoint:
     missing). A malformed file raises SafetensorsError at once.
     """
 
-    def __init__(self, path: str | os.PathLike, direct: bool = False):
-        self.path = pathlib.Path(path)
+    def __init__(self, path, direct: bool = False):
         self.direct = direct  # read tensor data with O_DIRECT (see SafetensorsFile)
+        if isinstance(path, (str, os.PathLike)):
+            self.path = pathlib.Path(path)
+            single = self.path.is_file()
+            self.source = LocalFiles(self.path.parent if single else self.path)
+        else:
+            self.source, single = path, False
+            self.path = str(path)
         self.problems: list[str] = []
         self.files: dict[str, SafetensorsFile] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.unavailable: set[str] = set()
         try:
-            self._open()
+            self._open(self.path.name if single else None)
         except BaseException:
             self.close()
             raise
 
-    def _open(self):
-        if self.path.is_file():
-            self._open_files(self.path.parent, [self.path.name])
+    def _open(self, single: str | None):
+        src = self.source
+        if single is not None or not src.exists(INDEX_NAME):
+            single = single or SINGLE_NAME
+            if not src.exists(single):
+                raise FileNotFoundError(f"{src}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+            self._open_files([single])
             self.tensors = self._all_tensors()
             return
-        index = self.path / INDEX_NAME
-        if not index.is_file():
-            if (self.path / SINGLE_NAME).is_file():
-                self._open_files(self.path, [SINGLE_NAME])
-                self.tensors = self._all_tensors()
-                return
-            raise FileNotFoundError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
-        weight_map = read_index(index)
+        weight_map = parse_index(src.read(INDEX_NAME), src.name(INDEX_NAME))
         files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (self.path / f).is_file()]
+        missing = [f for f in files if not src.exists(f)]
         for f in missing:
             names = [k for k, v in weight_map.items() if v == f]
             self.problems.append(f"{INDEX_NAME} maps {len(names)} tensor(s) (e.g. {names[0]!r}) to {f}, "
                                  f"which does not exist")
-        self._open_files(self.path, [f for f in files if f not in missing])
+        self._open_files([f for f in files if f not in missing])
         found = self._all_tensors()
         for name, f in weight_map.items():
             info = self.files[f].tensors.get(name) if f in self.files else None
@@ -323,17 +399,26 @@ class Checkpoint:
             self.unavailable.add(name)
             if name in found:
                 self.problems.append(f"tensor {name!r}: {INDEX_NAME} maps it to {f}, but it is in "
-                                     f"{os.path.basename(found[name].file)}")
+                                     f"{self._base(found[name].file)}")
             elif f in self.files:
                 self.problems.append(f"tensor {name!r}: {INDEX_NAME} maps it to {f}, whose header lacks it")
         for name, info in found.items():
             if name not in weight_map:
-                self.problems.append(f"tensor {name!r} in {os.path.basename(info.file)} is not listed in "
+                self.problems.append(f"tensor {name!r} in {self._base(info.file)} is not listed in "
                                      f"{INDEX_NAME}")
 
-    def _open_files(self, root: pathlib.Path, names: list[str]):
+    def _open_files(self, names: list[str]):
         for f in names:
-            self.files[f] = SafetensorsFile(root / f, self.direct)
+            self.files[f] = self.source.open(f, self.direct)
+            self._by_name[self.files[f].path] = f
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, str]:
+        """A file's full name (TensorInfo.file) -> its name in the checkpoint."""
+        return {}
+
+    def _base(self, file: str) -> str:
+        return self._by_name.get(file) or os.path.basename(file)
 
     def _all_tensors(self) -> dict[str, TensorInfo]:
         """Union of the files' headers; a name in two files is reported (the first file keeps it)."""
@@ -342,18 +427,17 @@ class Checkpoint:
             for name, info in sf.tensors.items():
                 if name in out:
                     self.problems.append(f"tensor {name!r} is in two files: "
-                                         f"{os.path.basename(out[name].file)} and {f}")
+                                         f"{self._base(out[name].file)} and {f}")
                 else:
                     out[name] = info
         return out
 
     def file_of(self, name: str) -> str:
-        return os.path.basename(self.tensors[name].file)
+        return self._base(self.tensors[name].file)
 
     def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """One tensor (or some of its rows) as numpy (thread-safe; see SafetensorsFile.read)."""
-        info = self.tensors[name]
-        return self.files[os.path.basename(info.file)].read(name, scratch, rows)
+        return self.files[self.file_of(name)].read(name, scratch, rows)
 
     def close(self):
         for sf in self.files.values():
@@ -368,10 +452,14 @@ class Checkpoint:
 
 def read_index(path: str | os.PathLike) -> dict[str, str]:
     """`model.safetensors.index.json` -> weight_map {tensor name: file name}, validated."""
+    return parse_index(pathlib.Path(path).read_bytes(), path)
+
+
+def parse_index(raw: bytes, path) -> dict[str, str]:
+    """The bytes of `model.safetensors.index.json` (at `path`, for messages) -> weight_map, validated."""
     try:
-        with open(path) as f:
-            index = json.load(f)
-    except json.JSONDecodeError as e:
+        index = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SafetensorsError(f"{path}: not valid JSON: {e}") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):

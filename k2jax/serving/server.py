@@ -35,15 +35,17 @@ ABORT_WAIT_S = 10.0  # after the abort, how long the drain waits for the aborted
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="a converted k2jax checkpoint (k2jax convert)")
+    src.add_argument("--checkpoint", metavar="DIR", help="a converted k2jax checkpoint (k2jax convert): a directory "
+                                                         "or gs://BUCKET/PATH")
     src.add_argument("--hf-checkpoint", metavar="DIR",
-                     help="a HuggingFace checkpoint directory (safetensors, FP8 or not), loaded on one device")
+                     help="a HuggingFace checkpoint (safetensors, FP8 or not): a directory, gs://BUCKET/PATH or a "
+                          "Hugging Face repo id; loaded on one device")
     src.add_argument("--demo", action="store_true",
                      help="serve a random-weight model of configs/bench.json's K2 shape (the demo's, vocabulary "
                           "1024) with a small synthetic tokenizer: nothing to download; the text is gibberish")
     p.add_argument("--tokenizer", metavar="DIR",
-                   help="directory with tiktoken.model and tokenizer_config.json (without it, prompts must be "
-                        "token ids and chat is refused)")
+                   help="directory with tiktoken.model and tokenizer_config.json, a gs:// URL of one, or a Hugging "
+                        "Face repo id (without it, prompts must be token ids and chat is refused)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a jinja chat template that replaces the checkpoint's (default: the chat_template of "
                         "--tokenizer's tokenizer_config.json, or its chat_template.jinja, else the built-in K2 "
@@ -124,14 +126,14 @@ def load_model(args):
     import jax.numpy as jnp
 
     import k2jax
-    from k2jax.tokenizer import KimiTokenizer
+    from k2jax.tokenizer import KimiTokenizer, tokenizer_dir
 
     dtype = None if args.dtype == "auto" else jnp.dtype(args.dtype)
     quant = None if args.quant == "none" else args.quant
     if args.mesh and args.hf_checkpoint:
         raise ValueError("--mesh works with --checkpoint or --demo; --hf-checkpoint loads on one device")
     mesh = k2jax.make_mesh(args.mesh) if args.mesh else None
-    tok = KimiTokenizer.from_dir(args.tokenizer) if args.tokenizer else None
+    tok = KimiTokenizer.from_dir(tokenizer_dir(args.tokenizer)) if args.tokenizer else None
     if args.demo:
         from k2jax.synthetic import demo_tokenizer, random_model
 
@@ -173,7 +175,9 @@ def chat_template(args):
         if args.chat_template is not None:
             raise ValueError("--chat-template: chat needs a tokenizer; give --tokenizer DIR too")
         return None
-    return ChatTemplate.from_tokenizer_dir(args.tokenizer, args.chat_template)
+    from k2jax.tokenizer import tokenizer_dir
+
+    return ChatTemplate.from_tokenizer_dir(tokenizer_dir(args.tokenizer) if args.tokenizer else None, args.chat_template)
 
 
 def _grammars(tok, cfg):
@@ -193,6 +197,9 @@ def _grammars(tok, cfg):
 def _name(path) -> str:
     import pathlib
 
+    s = str(path).rstrip("/")
+    if s.startswith("gs://") or not os.path.exists(s):  # a URL or a repo id: its last part
+        return s.rsplit("/", 1)[-1]
     return pathlib.Path(path).resolve().name
 
 

@@ -21,17 +21,23 @@ nothing is written. Conversion streams tensor by tensor on --workers threads (me
 model), and can be killed at any moment: rerun the same command to resume. DST is marked complete only at
 the very end (k2jax_manifest.json); a complete DST is replaced only with --overwrite.
 
-On several hosts sharing DST (a shared filesystem), run the same command on each with --distributed (a TPU
-slice) or --coordinator/--num-processes/--process-id: each process converts its own contiguous share of the
-layers, and every process returns only once DST is complete.
+On several hosts sharing DST (a gs:// URL, or a shared filesystem), run the same command on each with
+--distributed (a TPU slice) or --coordinator/--num-processes/--process-id: each process converts its own
+contiguous share of the layers, reading (or downloading, from the Hub) only the files that hold them, and every
+process returns only once DST is complete.
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", metavar="SRC", help="HF checkpoint directory: config.json, model.safetensors.index.json "
-                                              "(or model.safetensors) and the shard files")
-    p.add_argument("dst", metavar="DST", help="output directory (created; resumed if a same-job conversion was "
-                                              "interrupted)")
+    p.add_argument("src", metavar="SRC",
+                   help="the HF checkpoint: a directory (config.json, model.safetensors.index.json or "
+                        "model.safetensors, and the shard files), a gs://BUCKET/PATH holding the same (read in ranges, "
+                        "never downloaded whole), or a Hugging Face repo id, e.g. moonshotai/Kimi-K2-Instruct "
+                        "(downloaded into the HF cache: HF_HOME, HF_TOKEN or `huggingface-cli login`, HF_ENDPOINT)")
+    p.add_argument("dst", metavar="DST", help="output directory or gs://BUCKET/PATH (created; resumed if a same-job "
+                                              "conversion was interrupted)")
+    p.add_argument("--revision", default=None,
+                   help="with a repo id SRC: the branch, tag or commit to convert (default main)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="bfloat16 (default) or float32: FP8 / INT4 weights dequantized with their scales; "
                         "float8: keep an FP8 release's e4m3 weights and store their scales beside them; int4: keep "
@@ -59,7 +65,8 @@ def run(args: argparse.Namespace, prog: str = "k2jax convert") -> int:
         if distributed.initialize_from_args(args) and not distributed.is_main():  # one progress bar and report: process 0's
             quiet, log = True, (lambda *a, **k: None)
         stats = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, layers=args.layers,
-                        overwrite=args.overwrite, quiet=quiet, log=log, direct_io=args.direct_io)
+                        overwrite=args.overwrite, quiet=quiet, log=log, direct_io=args.direct_io,
+                        revision=args.revision)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -10,7 +10,6 @@ like everyone else's.
 from __future__ import annotations
 
 import math
-import pathlib
 
 import numpy as np
 
@@ -31,7 +30,7 @@ class TensorConverter:
     """Converts one source tensor per call (thread-safe: each thread has its own buffers), into the arrays
     `leaves` (stored name -> spec, see orbax_layout.leaf_specs) of a `dtype` conversion at `dst`."""
 
-    def __init__(self, cfg: K2Config, ckpt: Checkpoint, dst: pathlib.Path, dtype: str, block, leaves: dict,
+    def __init__(self, cfg: K2Config, ckpt: Checkpoint, dst, dtype: str, block, leaves: dict,
                  direct: bool):
         self.cfg, self.ckpt, self.block, self.leaves = cfg, ckpt, tuple(block), leaves
         self.quant = CONVERSIONS[dtype][1]

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import shutil
 
 from k2jax.checkpoint.convert.errors import ConvertError
 from k2jax.checkpoint.hf_validate import Source
-from k2jax.checkpoint.orbax_layout import MANIFEST, PROGRESS, atomic_write
+from k2jax.checkpoint.orbax_layout import MANIFEST, PROGRESS
 
 GLOBAL_UNIT = "globals"
 
@@ -30,37 +28,37 @@ def all_units(num_layers: int) -> set[str]:
     return {GLOBAL_UNIT} | {layer_unit(i) for i in range(num_layers)}
 
 
-def done_dir(dst: pathlib.Path) -> pathlib.Path:
-    return dst / PROGRESS / "done"
+DONE = f"{PROGRESS}/done"
 
 
-def done_units(dst: pathlib.Path) -> set[str]:
+def done_units(dst) -> set[str]:
     """The units some run has finished."""
-    return {p.name for p in done_dir(dst).iterdir()}
+    return {k.rsplit("/", 1)[-1] for k in dst.keys(DONE)}
 
 
-def mark_done(dst: pathlib.Path, unit: str) -> None:
+def mark_done(dst, unit: str) -> None:
     """Record a unit as finished (after all of its chunks are written)."""
-    atomic_write(done_dir(dst) / unit, "")
+    dst.write(f"{DONE}/{unit}", b"done\n")  # (not empty: some GCS emulators drop empty uploads)
 
 
-def prepare_dst(dst: pathlib.Path, job: str, overwrite: bool) -> str:
-    """-> "fresh" | "resume" | "done" (the same job already complete). Refuses to touch anything else."""
-    if dst.exists() and not dst.is_dir():
+def prepare_dst(dst, job: str, overwrite: bool) -> str:
+    """-> "fresh" | "resume" | "done" (the same job already complete). Refuses to touch anything else. `dst`:
+    a storage.LocalDir or GcsDir."""
+    if not dst.remote and dst.path.exists() and not dst.path.is_dir():
         raise ConvertError(f"DST {dst} exists and is not a directory")
-    manifest, progress = dst / MANIFEST, dst / PROGRESS
-    if dst.is_dir() and any(dst.iterdir()):
-        if manifest.is_file():
+    manifest = dst.read(MANIFEST)
+    if manifest is not None or dst.any():
+        if manifest is not None:
             same = _job_of(manifest) == job
             if not overwrite:
                 if same:
-                    shutil.rmtree(progress, ignore_errors=True)  # left by a kill just after completion
+                    dst.delete(PROGRESS)  # left by a kill just after completion
                     return "done"
                 raise ConvertError(f"DST {dst} is a complete k2jax checkpoint (of another source or dtype): "
                                    f"pass --overwrite to replace it")
-            manifest.unlink()  # first: from here on it no longer passes for complete
-        elif progress.is_dir():
-            if _job_of(progress / "job.json") == job:
+            dst.remove(MANIFEST)  # first: from here on it no longer passes for complete
+        elif dst.any(PROGRESS):
+            if _job_of(dst.read(f"{PROGRESS}/job.json")) == job:
                 _remove_partial_writes(dst)
                 return "resume"  # even with --overwrite: a rerun of the same command must not lose work
             if not overwrite:
@@ -69,27 +67,28 @@ def prepare_dst(dst: pathlib.Path, job: str, overwrite: bool) -> str:
         else:
             raise ConvertError(f"DST {dst} exists, is not empty and is not a k2jax checkpoint: refusing to write "
                                f"into it (even with --overwrite); choose an empty or new directory")
-        shutil.rmtree(dst)
+        dst.delete()
     try:
-        done_dir(dst).mkdir(parents=True, exist_ok=True)
-        atomic_write(progress / "job.json", json.dumps({"job": job}))
+        dst.write(f"{PROGRESS}/job.json", json.dumps({"job": job}).encode())
     except OSError as e:
-        raise ConvertError(f"DST {dst}: cannot write there: {e.strerror or e}") from None
+        raise ConvertError(f"DST {dst}: cannot write there: {getattr(e, 'strerror', None) or e}") from None
     return "fresh"
 
 
-def _job_of(path: pathlib.Path) -> str | None:
+def _job_of(raw: bytes | None) -> str | None:
     try:
-        return json.loads(path.read_text()).get("job")
-    except (json.JSONDecodeError, OSError):
+        return json.loads(raw).get("job") if raw is not None else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         return None
 
 
-def _remove_partial_writes(dst: pathlib.Path) -> None:
-    """Delete what a killed write leaves (tensorstore's lock and temp files, our chunks' temporary names; chunks
-    land by rename, so a chunk file itself is whole or absent): the resumed checkpoint then has exactly a fresh
-    run's files."""
-    for leaf in os.scandir(dst):
+def _remove_partial_writes(dst) -> None:
+    """Delete what a killed write leaves in a local DST (tensorstore's lock and temp files, our chunks' temporary
+    names; chunks land by rename, so a chunk file itself is whole or absent): the resumed checkpoint then has
+    exactly a fresh run's files. (On gs:// an object is whole or absent: nothing is left.)"""
+    if dst.remote:
+        return
+    for leaf in os.scandir(dst.path):
         if leaf.is_dir() and leaf.name != PROGRESS:
             for f in os.scandir(leaf.path):
                 if ".__lock" in f.name or ".__tmp_" in f.name:

@@ -4,7 +4,6 @@ CPUs by default), at most 2 x workers in flight, each unit marked done as its la
 from __future__ import annotations
 
 import concurrent.futures as cf
-import pathlib
 from typing import Callable
 
 from tqdm import tqdm
@@ -15,7 +14,7 @@ from k2jax.checkpoint.hf_validate import Source
 from k2jax.checkpoint.safetensors_io import Checkpoint
 
 
-def run_pool(convert_one: Callable[[Source], str | None], ckpt: Checkpoint, sources: list[Source], dst: pathlib.Path,
+def run_pool(convert_one: Callable[[Source], str | None], ckpt: Checkpoint, sources: list[Source], dst,
              workers: int, quiet: bool, stats) -> list[str]:
     """Convert `sources` (convert_one(source) -> a problem or None) on `workers` threads; -> the problems found
     in the data. A unit is marked done in DST once all of its tensors converted without a problem; `stats`

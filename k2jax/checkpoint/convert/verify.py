@@ -1,18 +1,18 @@
 """Verification of the source before anything is written: the files and headers, every tensor against the
 config (k2jax.checkpoint.hf_validate), what the chosen --dtype needs, the --layers range, and the job's
-fingerprint."""
+fingerprint. SRC is a local directory, a gs:// URL or a Hugging Face repo id (k2jax.checkpoint.hf_source)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
 import re
 
 from k2jax.checkpoint.convert.errors import ConvertError
-from k2jax.checkpoint.hf_validate import Validation, check_checkpoint, raise_problems, text_prefix
+from k2jax.checkpoint.hf_source import open_source, safetensors_files
+from k2jax.checkpoint.hf_validate import Validation, check_checkpoint, raise_problems
 from k2jax.checkpoint.orbax_layout import CONVERSIONS, LAYOUT_VERSION
-from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint, SafetensorsFile, read_index
+from k2jax.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, Checkpoint
 from k2jax.config import K2Config
 from k2jax.quant_policy import FORMATS
 
@@ -24,35 +24,57 @@ def raise_all(problems: list[str], where) -> None:
     raise_problems(problems, where, ConvertError, "problem(s), nothing converted")
 
 
-def open_source(src: pathlib.Path, direct: bool = False) -> tuple[K2Config, Checkpoint]:
-    """Config and checkpoint of SRC (tensor data read with O_DIRECT if `direct`); every unreadable header is
-    reported together."""
-    if not src.exists():
-        raise ConvertError(f"SRC {src}: no such file or directory")
-    if not src.is_dir():
-        raise ConvertError(f"SRC {src}: not a directory (expected a HuggingFace checkpoint directory)")
-    cfg = K2Config.from_hf_config(src)
-    if (src / INDEX_NAME).is_file():
-        files = sorted(set(read_index(src / INDEX_NAME).values()))
-    elif (src / SINGLE_NAME).is_file():
-        files = [SINGLE_NAME]
-    else:
-        raise ConvertError(f"SRC {src}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+def open_files(src, revision: str | None = None, quiet: bool = False):
+    """(FileSource, config.json dict) of SRC: a local directory, a gs:// URL or a Hub repo id (hf_source)."""
+    try:
+        return open_source(src, revision, quiet)
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as e:
+        raise ConvertError(f"SRC {e}") from None
+    except OSError as e:
+        raise ConvertError(f"SRC {e}") from None
+
+
+def open_checkpoint(files, direct: bool = False) -> Checkpoint:
+    """The checkpoint of a FileSource (tensor data read with O_DIRECT if `direct`, where local); every unreadable
+    header is reported together."""
+    if not files.exists(INDEX_NAME) and not files.exists(SINGLE_NAME):
+        raise ConvertError(f"SRC {files}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
     problems = []
-    for f in files:
-        if not (src / f).is_file():
+    opened = {}
+    for f in safetensors_files(files):
+        if not files.exists(f):
             continue  # reported by Checkpoint with the tensors it was meant to hold
         try:
-            SafetensorsFile(src / f).close()
+            opened[f] = files.open(f, direct)
         except (ValueError, OSError) as e:
             problems.append(str(e))
-    raise_all(problems, src)
-    return cfg, Checkpoint(src, direct)
+    if problems:
+        for sf in opened.values():
+            sf.close()
+    raise_all(problems, files)
+    return Checkpoint(_Opened(files, opened), direct)
 
 
-def check_source(cfg: K2Config, ckpt: Checkpoint, src: pathlib.Path, dtype: str) -> Validation:
-    """Validate the whole source for a `--dtype` conversion; ConvertError listing every problem."""
-    checked = check_checkpoint(cfg, ckpt, prefix=text_prefix(src))
+class _Opened:
+    """A FileSource whose safetensors files are already open (their headers read once, not twice)."""
+
+    def __init__(self, files, opened: dict):
+        self.files, self.opened = files, opened
+
+    def __str__(self) -> str:
+        return str(self.files)
+
+    def __getattr__(self, attr):
+        return getattr(self.files, attr)
+
+    def open(self, f: str, direct: bool = False):
+        return self.opened.pop(f) if f in self.opened else self.files.open(f, direct)
+
+
+def check_source(cfg: K2Config, ckpt: Checkpoint, src, dtype: str, prefix: str, read_data: bool = True) -> Validation:
+    """Validate the whole source for a `--dtype` conversion (every header; the scales' values too unless
+    read_data is False: see hf_validate.data_problems); ConvertError listing every problem."""
+    checked = check_checkpoint(cfg, ckpt, prefix=prefix, read_data=read_data)
     problems = list(checked.problems)
     if dtype == "float8":
         problems += [f"{s.stored!r} ({ckpt.file_of(s.stored)}): {s.dtype}, but --dtype float8 keeps "
@@ -85,13 +107,14 @@ def parse_layers(spec: str | None, n: int) -> range:
     return range(a, b)
 
 
-def fingerprint(src: pathlib.Path, ckpt: Checkpoint, dtype: str) -> str:
-    """What makes a conversion's bytes: the source (config, file names and sizes, every header), the output
-    dtype and the layout. A rerun resumes only a job with the same fingerprint."""
+def fingerprint(config: bytes, ckpt: Checkpoint, dtype: str) -> str:
+    """What makes a conversion's bytes: the source (config.json's bytes, file names and sizes, every header, not
+    where they are: the same release on disk, in a bucket or on the Hub is the same job), the output dtype and
+    the layout. A rerun resumes only a job with the same fingerprint."""
     h = hashlib.sha256()
-    h.update((src / "config.json").read_bytes())
+    h.update(config)
     for f in sorted(ckpt.files):
         sf = ckpt.files[f]
-        h.update(json.dumps([f, sf.size, sorted(sf.tensors.items())]).encode())
+        h.update(json.dumps([f, sf.size, sorted(t[:-1] for t in sf.tensors.values())]).encode())  # (not t.file)
     h.update(json.dumps([dtype, LAYOUT_VERSION]).encode())
     return h.hexdigest()
