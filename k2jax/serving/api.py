@@ -264,6 +264,7 @@ async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0
                               headers={"Retry-After": str(RETRY_AFTER_S)}, kind="rate_limit_exceeded")
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
+    metrics.prompt_tokens += prompt_tokens  # as the usage reports them
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     first = []  # the time of the first token of any choice
