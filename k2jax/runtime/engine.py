@@ -256,9 +256,11 @@ class Engine:
         """The mesh context the steps are traced under. Thread-local: entered on the thread that steps."""
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None,
+                note: Callable[[str], None] | None = None) -> float:
         """Compile every step the scheduler can ask for, then (stall_bound) time the steps it weighs;
-        -> seconds. progress(k, n, what) as the k-th of n programs begins compiling (on a compiling thread)."""
+        -> seconds. progress(k, n, what) as the k-th of n programs begins compiling (on a compiling thread);
+        note(what) when the compiling is done and the timing begins."""
         shapes, begun, lock = self.sched.shapes(), [0], threading.Lock()
 
         def report(shape):
@@ -273,7 +275,10 @@ class Engine:
         t0 = time.perf_counter()
         with self._context():
             self.runner.compile(shapes, on_start=report)
-            self.sched.step_s = self.time_steps(self.sched.timed_shapes())
+            timed = self.sched.timed_shapes()
+            if note is not None and timed:
+                note(f"compiled in {time.perf_counter() - t0:.1f} s; timing {len(set(timed))} of the steps")
+            self.sched.step_s = self.time_steps(timed)
         return time.perf_counter() - t0
 
     def time_steps(self, shapes, repeats: int = 2) -> dict:

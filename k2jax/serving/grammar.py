@@ -147,7 +147,8 @@ class GrammarMatcher:
         begin, end = self._gtok.call_begin, self._gtok.section_end
         if self.budget is None or begin is None or end is None or not self._longest_call:
             return
-        if _bit(row_W, begin) and _bit(row_W, end) and self.budget - len(self._ids) < CALL_ROOM * self._longest_call + 1:
+        left = self.budget - len(self._ids)
+        if _bit(row_W, begin) and _bit(row_W, end) and left < CALL_ROOM * self._longest_call + 1:
             row_W[begin // 32] &= ~np.int32(np.uint32(1 << (begin % 32)).view(np.int32))
 
     def accept(self, token_id: int) -> bool:

@@ -356,7 +356,7 @@ def _run(args, sock) -> int:
              f"begins), then timing the steps")
     t_warm = time.perf_counter()
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what} (at "
-                                                           f"{time.perf_counter() - t_warm:.1f} s)"))
+                                                           f"{time.perf_counter() - t_warm:.1f} s)"), log.info)
     budget = engine.sched.stall_budget_s()
     bound = "" if budget is None else f", cut to a first chunk's {budget * 1e3:.0f} ms a step"
     log.info(f"compiled {'and timed ' if bound else ''}the engine steps in {compile_s:.1f} s (prefill chunks of up to "
