@@ -173,7 +173,7 @@ def test_termination_forces_the_stop_tokens(tok, gtok, compiler):
     schema = {"type": "object", "properties": {"x": {"const": 1}}, "required": ["x"], "additionalProperties": False}
     m = compiler.json_schema(schema).matcher()
     row = np.zeros(gtok.words, dtype=np.int32)
-    for t in tok.encode('{"x": 1}'):
+    for t in tok.encode('{"x":1}'):
         assert not m.can_stop()
         assert m.accept(t)
     assert m.can_stop() and not m.is_terminated()
@@ -232,12 +232,12 @@ def _accepts(grammar, tok, text):
 
 def test_reasoning_before_the_constrained_part(tok, compiler, tmp_path):
     g = compiler.for_request(response_format={"type": "json_object"}, reasoning=True)
-    assert _accepts(g, tok, '<think>maybe {"a": 1}? no.</think>{"a": 2}')
-    assert _accepts(g, tok, '{"a": 2}')  # thinking may be skipped
-    assert not _accepts(g, tok, '<think>unclosed {"a": 2}')
+    assert _accepts(g, tok, '<think>maybe {"a": 1}? no.</think>{"a":2}')
+    assert _accepts(g, tok, '{"a":2}')  # thinking may be skipped
+    assert not _accepts(g, tok, '<think>unclosed {"a":2}')
     g = compiler.for_request(tools=TOOLS, tool_choice="required", reasoning_at_start=True)
     call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>'
-            '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>')
+            '{"a":1,"b":2}<|tool_call_end|><|tool_calls_section_end|>')
     assert _accepts(g, tok, "I will add.</think>" + call)
     assert not _accepts(g, tok, call)
     # With <think> and </think> as special tokens (K2-Thinking's tokenizer), they are matched as tokens.
@@ -246,7 +246,7 @@ def test_reasoning_before_the_constrained_part(tok, compiler, tmp_path):
     think_tok = KimiTokenizer(load_ranks(d / "tiktoken.model"), special_names={n + 20: "<think>", n + 21: "</think>"})
     g = GrammarCompiler(GrammarTokenizer(think_tok, think_tok.vocab_size)).for_request(
         response_format={"type": "json_object"}, reasoning=True)
-    assert _accepts(g, think_tok, '<think>hmm</think>{"b": true}')
+    assert _accepts(g, think_tok, '<think>hmm</think>{"b":true}')
     assert think_tok.encode("<think>", allow_special=True) == [n + 20]
 
 
@@ -313,8 +313,8 @@ def test_call_ids_count_on_from_the_conversation_calls(tok, gtok, compiler):
         assert not all(m.accept(t) for t in tok.encode(text, allow_special=True)), wrong
     named = compiler.for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
                                  call_offset=5)
-    assert _accepts(named, tok, SB + CB + 'functions.add:5' + AB + '{"a": 1, "b": 2}' + CE + SE)
-    assert not _accepts(named, tok, SB + CB + 'functions.add:0' + AB + '{"a": 1, "b": 2}' + CE + SE)
+    assert _accepts(named, tok, SB + CB + 'functions.add:5' + AB + '{"a":1,"b":2}' + CE + SE)
+    assert not _accepts(named, tok, SB + CB + 'functions.add:0' + AB + '{"a":1,"b":2}' + CE + SE)
 
 
 def _allowed(m, gtok) -> set[int]:
@@ -326,7 +326,7 @@ def _allowed(m, gtok) -> set[int]:
 def test_one_call_when_not_parallel_then_only_the_end(tok, gtok, compiler):
     """parallel_tool_calls false: after one call the section must end, then only a stop token may follow;
     for "required" and for "auto" once the model opens a section (text before it is free)."""
-    call = CB + "functions.add:0" + AB + '{"a": 1, "b": 2}' + CE
+    call = CB + "functions.add:0" + AB + '{"a":1,"b":2}' + CE
     end, stops = tok.special_tokens[SE], set(tok.stop_ids)
     for choice, head in (("auto", "Let me add. "), ("required", "")):
         g = compiler.for_request(tools=TOOLS, tool_choice=choice, parallel=False)
@@ -372,9 +372,9 @@ WHITESPACE_RUN = re.compile(r"[\r\n\t]|  ")
 
 
 def test_compact_json_whitespace_by_default(tok, gtok, compiler):
-    """The JSON of response_format and of tool arguments allows no whitespace but one optional space after
-    ':' and ','; even a model that favours whitespace writes no run of it. json_whitespace "any" restores any
-    JSON whitespace (at most 16 characters per gap)."""
+    """The JSON of response_format and of tool arguments has no whitespace between its tokens by default,
+    even from a model that favours whitespace; json_whitespace "spaced" allows one space after ':' and ',',
+    "any" any JSON whitespace (at most 16 characters per gap)."""
     rng = np.random.default_rng(7)
     bias = _marker_bias(tok, gtok, whitespace=6.0)
     schema = SCHEMAS["search"]
@@ -382,15 +382,21 @@ def test_compact_json_whitespace_by_default(tok, gtok, compiler):
     for _ in range(5):
         text = tok.decode(decode(compiler.for_request(response_format=rf).matcher(), gtok, rng, bias)[0])
         jsonschema.validate(json.loads(text), schema)
-        assert not _loose(text), text
+        assert not re.search(r"\s", _outside_strings(text)), text
         ids, _ = decode(compiler.for_request(tools=TOOLS, tool_choice="required").matcher(), gtok, rng, bias)
         for c in _check_calls(tok.decode(ids), set(SCHEMAS)):
             args = c["function"]["arguments"]
-            assert not _loose(args), args
+            assert not re.search(r"\s", _outside_strings(args)), args
+        spaced = compiler.for_request(response_format=rf, whitespace="spaced")
+        text = tok.decode(decode(spaced.matcher(), gtok, rng, bias)[0])
+        assert not _loose(text) and re.search(r"[:,] ", _outside_strings(text)), text
     obj = compiler.for_request(response_format={"type": "json_object"})
-    assert _accepts(obj, tok, '{"a": [1, 2], "b":{"c":null}}')
+    assert _accepts(obj, tok, '{"a":[1,2],"b":{"c":null}}')
+    assert not _accepts(obj, tok, '{"a": 1}')
+    spaced = compiler.for_request(response_format={"type": "json_object"}, whitespace="spaced")
+    assert _accepts(spaced, tok, '{"a": [1, 2], "b":{"c":null}}')
     for loose in ('{ "a": 1}', '{"a":  1}', '{"a":\r1}', '{"a" : 1}', '{"a": [1 ,2]}', '{"a": 1\n}'):
-        assert not _accepts(obj, tok, loose), loose
+        assert not _accepts(obj, tok, loose) and not _accepts(spaced, tok, loose), loose
     loose = compiler.for_request(response_format={"type": "json_object"}, whitespace="any")
     assert _accepts(loose, tok, '{ "a" :\r\n 1 }')
     texts = [tok.decode(decode(loose.matcher(), gtok, rng, bias + _close_bias(tok, gtok))[0]) for _ in range(5)]

@@ -4,7 +4,9 @@ response_format json_schema / json_object. Every output is checked by an indepen
 jsonschema, a regular expression for the ids), never by the grammar library itself, and nothing steers the
 model: no logit_bias anywhere. A random model left free keeps calling tools and pads every gap JSON allows
 with whitespace; the server's grammar bounds both (ids by construction, a section that closes within
-max_tokens, compact separators), which is what these tests hold it to.
+max_tokens, compact JSON), which is what these tests hold it to. The server runs the demo model in float32,
+where a seed's tokens do not depend on the batch it runs in (bf16 steps of other batch sizes round
+differently), so a streamed answer can be compared with the whole one token for token.
 
 Figures the goals ask for (finish rates, calls per answer, whitespace fractions) are printed (`pytest -s`)."""
 
@@ -39,7 +41,7 @@ AGENT_TOOLS = [
 ]
 # Nested objects, strings, arrays, a strict tool.
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": _obj(
+    {"type": "function", "function": {"name": "weather_now", "description": "Weather now", "parameters": _obj(
         {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}})}},
     {"type": "function", "function": {"name": "book", "strict": True, "parameters": _obj(
         {"when": _obj({"day": {"type": "integer", "minimum": 1, "maximum": 31}, "slot": {"enum": ["am", "pm"]}}),
@@ -77,8 +79,8 @@ CALL_ID = re.compile(r"functions\.(?P<name>[A-Za-z0-9_.\-]+):(?P<idx>0|[1-9][0-9
 @pytest.fixture(scope="module")
 def demo():
     port = free_port()
-    argv = [sys.executable, "-m", "k2jax.cli", "serve", "--demo", "--port", str(port), "--max-batch", "8",
-            "--max-len", "1024", "--prefill-chunk", "256"]
+    argv = [sys.executable, "-m", "k2jax.cli", "serve", "--demo", "--dtype", "float32", "--port", str(port),
+            "--max-batch", "8", "--max-len", "1024", "--prefill-chunk", "256"]
     with running([argv], port):
         yield port
 
@@ -135,7 +137,7 @@ async def _chat(c, stream=False, **kw):
 
 def check_calls(msg, finish, first=0, only=None, one=False):
     """A tool-call answer: finish_reason tool_calls, no content, ids functions.NAME:first, first+1, ... in
-    order, arguments valid for the tool, no whitespace but single spaces outside strings."""
+    order, arguments valid for the tool, no whitespace outside their strings."""
     assert finish == "tool_calls" and msg["calls"], (finish, msg)
     assert msg["content"] is None
     assert len(msg["calls"]) == 1 if one else len(msg["calls"]) >= 1
@@ -145,7 +147,7 @@ def check_calls(msg, finish, first=0, only=None, one=False):
         assert m and m.group("name") == t["name"] and int(m.group("idx")) == first + i, (i, t["id"])
         jsonschema.validate(json.loads(t["arguments"]), PARAMS[t["name"]])
         outside = re.sub(r'"(\\.|[^"\\])*"', '""', t["arguments"])  # the model's own strings apart
-        assert "\r" not in t["arguments"] and "  " not in outside and not re.search(r"[\n\t]", outside), t
+        assert not re.search(r"\s", outside), t  # compact: no whitespace between the JSON's tokens
 
 
 def whitespace_share(ids, ws) -> float:
@@ -282,7 +284,7 @@ def test_an_agent_loop_counts_ids_across_turns(demo):
                                                                    "return_token_strs": True}).json()
     text = "".join(prompt["token_strs"])
     for turn in range(2):
-        call = messages[2 + 2 * turn]["tool_calls"][0]
+        call = messages[1 + 2 * turn]["tool_calls"][0]
         assert (f"<|tool_call_begin|>{call['id']}<|tool_call_argument_begin|>{call['function']['arguments']}"
                 f"<|tool_call_end|>") in text
         assert f"## Return of {call['id']}\nresult {turn}" in text

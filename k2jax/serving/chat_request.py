@@ -1,9 +1,9 @@
 """A chat request's agent fields -> its prompt, its grammar, and how its output is parsed (`ChatSetup`).
 
 Fields read here: `messages` (system, developer, user, assistant with tool_calls, tool), `tools` (OpenAI
-function tools), `tool_choice`, `parallel_tool_calls`, `response_format`, `json_whitespace` ("compact" or
-"any": JSON whitespace under a grammar, default the server's --json-whitespace) and `chat_template_kwargs`
-(e.g. {"thinking": false}); openai_fields reads the sampling fields. Errors are `FieldError`s naming the field
+function tools), `tool_choice`, `parallel_tool_calls`, `response_format`, `json_whitespace` ("compact",
+"spaced" or "any": JSON whitespace under a grammar, default the server's --json-whitespace) and
+`chat_template_kwargs` (e.g. {"thinking": false}); openai_fields reads the sampling fields. Errors are `FieldError`s naming the field
 (`messages[2].tool_call_id`, `tool_choice.function.name`, `response_format.json_schema.schema`, ...). Checked
 whatever tool_choice is: tool names (OpenAI's pattern, unique), assistant tool-call arguments (JSON), and
 that every tool message answers the id of an earlier assistant call.

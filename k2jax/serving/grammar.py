@@ -24,11 +24,14 @@ extend the text); once nothing can extend it, the mask allows ONLY the stop toke
 <|im_end|> or [EOS]. `accept(stop id)` then makes `is_terminated()` true. A rejected token (accept -> False)
 puts the matcher in an error state whose mask allows only the stop tokens; `error` says why.
 
-JSON whitespace (response_format and tool arguments): "compact" (the default) allows no whitespace but one
-optional space after each `:` and `,` (`{"a": 1, "b": [1, 2]}` or `{"a":1,"b":[1,2]}`); "any" allows any JSON
-whitespace, at most 16 characters per gap. A free model pads every gap the grammar leaves open (a random one
-spends its whole budget on `\r` runs), so the bound is on by default; `--json-whitespace any` (the server)
-or `"json_whitespace": "any"` (a request) restores the looser one.
+JSON whitespace between tokens (response_format and tool arguments; inside strings the text is the model's):
+"compact" (the default) allows none (`{"a":1,"b":[1,2]}`); "spaced" one optional space after each `:` and `,`
+(`{"a": 1, "b": [1, 2]}`, the form json.dumps writes and models are trained on); "any" any JSON whitespace,
+at most 16 characters per gap. A free model pads every gap the grammar leaves open (a random one spends its
+whole budget on `\r` runs), so the bound is on by default. None is the default, not one optional space: the
+random demo model writes a space wherever one is allowed, as a token of its own, which makes 13% of a
+schema's answer whitespace tokens. `--json-whitespace` (the server's default) or `"json_whitespace"` (a
+request's) chooses.
 JSON: `strict` schemas are compiled strictly (an unsupported keyword -> ValueError); others leniently
 (unsupported keywords ignored). Object properties come in the schema's order (llguidance's rule).
 
@@ -36,8 +39,8 @@ Tool calls (K2's section, k2jax.serving.tool_calls): every call's id is fixed by
 `functions.NAME:IDX`, IDX counting on from `call_offset` (the conversation's earlier calls) in call order, so
 the model never writes the digits. tool_choice "required" -> a section of one or more calls, a named
 function -> exactly one call of it, "auto" -> any text (tool-call markers and stop tokens apart), then
-optionally one section; with parallel_tool_calls false a section holds exactly one call, else at most
-MAX_PARALLEL_CALLS. After the section only a stop token may follow, so generation stops there. With the
+optionally one section (with a JSON response_format: that JSON, or one section); with parallel_tool_calls
+false a section holds exactly one call, else at most MAX_PARALLEL_CALLS. After the section only a stop token may follow, so generation stops there. With the
 request's `max_tokens` given (the budget), a section starts no further call once fewer tokens are left than
 CALL_ROOM (2) times its longest call so far plus one for the section's end: a section of parallel calls
 closes within the budget instead of being cut in the middle of a call (a first call longer than the whole
@@ -51,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 import threading
 from collections.abc import Sequence
 
@@ -64,7 +66,8 @@ from k2jax.tokenizer import PAT_STR
 
 # JSON whitespace per mode (see the module doc), as llguidance's "x-guidance" options.
 WHITESPACE = {
-    "compact": {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"},
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "spaced": {"whitespace_flexible": False, "item_separator": ", ?", "key_separator": ": ?"},
     "any": {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"},
 }
 _WHITESPACE_KEYS = ("whitespace_flexible", "whitespace_pattern", "item_separator", "key_separator")

@@ -103,11 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "With --demo the random weights are quantized so (default none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float8"),
                    help="latent cache dtype (auto: the compute dtype); float8 = e4m3 with a per-token scale")
-    p.add_argument("--json-whitespace", default="compact", choices=("compact", "any"),
+    p.add_argument("--json-whitespace", default="compact", choices=("compact", "spaced", "any"),
                    help="JSON whitespace under a grammar (response_format json_object / json_schema and tool-call "
-                        "arguments): compact = no whitespace but one optional space after ':' and ',' (the "
-                        "default: a model left free pads every gap it may); any = any JSON whitespace, at most 16 "
-                        "characters per gap. A request may choose with \"json_whitespace\"")
+                        "arguments), outside strings: compact = none (the default: a model left free pads every "
+                        "gap it may); spaced = one optional space after ':' and ','; any = any JSON whitespace, at "
+                        "most 16 characters per gap. A request may choose with \"json_whitespace\"")
     p.add_argument("--seed", type=int, default=0, help="seed of --demo's random weights (default 0)")
     p.add_argument("--api-key", default=os.environ.get("K2JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the API (/health, /metrics and /version stay open); "
