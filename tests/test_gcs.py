@@ -21,6 +21,7 @@ from k2jax.checkpoint.convert import convert, main
 from k2jax.checkpoint.orbax_layout import IncompleteCheckpointError
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS, REPO
+from tests.processes import result, run_all
 from tests.storage_servers import BUCKET, Proxy, download, emulator, free_port, gcs_env, upload
 
 TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 3 layers (1 dense, 2 MoE), 8 experts
@@ -142,18 +143,11 @@ def test_two_processes_restoring_from_gs_each_read_only_their_chunks(gcs, remote
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", _RESTORE, str(r), str(port), dst], env=env | gcs_env(proxies[r].url),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    outs = run_all([[sys.executable, "-c", _RESTORE, str(r), str(port), dst] for r in range(2)],
+                   [env | gcs_env(proxies[r].url) for r in range(2)], timeout=240)
     prefix = dst[len(ROOT) + 1:] + "/"
     for rank, (out, proxy) in enumerate(zip(outs, proxies)):
-        regions = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT"))[7:])
+        regions = result(out)
         want = set()
         for name, regs in regions.items():
             spec = stored_array(dst, name)

@@ -19,6 +19,7 @@ import k2jax
 from k2jax.checkpoint.convert import main as convert_main
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS, REPO
+from tests.processes import result, run_all
 
 TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 3 layers (1 dense, 2 MoE), 8 experts
 PROMPTS = [[5, 6, 7], list(range(20, 31)), [42], [1, 2, 3, 4, 5]]
@@ -39,18 +40,7 @@ def run_two(argv_of_rank, timeout=TIMEOUT_S) -> list[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen(argv_of_rank(rank, port), env=env, cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {rank} exited with {p.returncode}:\n{out[-4000:]}"
-    return outs
+    return run_all([argv_of_rank(rank, port) for rank in range(2)], [env, env], timeout, cwd=REPO)
 
 
 def _launch(rank, port):
@@ -117,7 +107,7 @@ def test_two_processes_generate_the_tokens_of_one_process(converted):
 
     outs = run_two(lambda rank, port: [sys.executable, "-c", _WORKER, str(rank), str(port), str(converted),
                                        json.dumps(PROMPTS), str(NEW), *MESHES])
-    results = [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT"))[7:]) for o in outs]
+    results = [result(o) for o in outs]
     for rank, r in enumerate(results):
         assert (r["devices"], r["local"]) == (8, 4)
         for spec in MESHES:

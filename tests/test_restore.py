@@ -8,7 +8,6 @@ import os
 import pathlib
 import shutil
 import socket
-import subprocess
 import sys
 import tracemalloc
 
@@ -25,6 +24,7 @@ from k2jax.placement import param_shardings
 from k2jax.sharding import make_mesh, use_mesh
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS
+from tests.processes import result, run_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 8 experts, top-2, 3 layers (2 MoE)
@@ -285,11 +285,9 @@ def test_each_process_reads_only_the_shards_its_devices_hold(wide):
     # rchar counts every read of the process: XLA's persistent compilation cache would add its entries' bytes
     # (4 MB measured) to the checkpoint's.
     env = {k: v for k, v in env.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), str(port), str(wide)], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    results = [json.loads(next(ln for ln in o.splitlines() if ln.startswith("RESULT"))[7:]) for o in outs]
+    outs = run_all([[sys.executable, "-c", _WORKER, str(rank), str(port), str(wide)] for rank in range(2)],
+                   [env, env], timeout=180, cwd=REPO)
+    results = [result(o) for o in outs]
 
     manifest = json.loads((wide / "k2jax_manifest.json").read_text())
     E = WIDE["n_routed_experts"]
