@@ -251,6 +251,23 @@ def test_dequantize_transposed_is_numpys_dequantize():
             np.testing.assert_array_equal(got.view(bits)[~nan], np.ascontiguousarray(want).view(bits)[~nan])
 
 
+def test_transpose_is_numpys():
+    """fp8.transpose (XLA strips + numpy runs, the rest tile by tile) = np.ascontiguousarray(x.T), bit for bit:
+    e4m3, bf16 and f32, rows not a multiple of the strip height, arrays below and above the XLA threshold."""
+    from k2jax.checkpoint import fp8
+
+    rng = np.random.default_rng(5)
+    for shape in [(1, 1), (3, 517), (131, 257), (300, 1000), (1000, 300), (129, 1031)]:
+        for dtype in (fp8.FP8, np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            x = rng.integers(0, 256, (shape[0], shape[1] * dtype.itemsize), dtype=np.uint8).view(dtype)
+            out = np.empty(shape[::-1], dtype)
+            got = fp8.transpose(x, out)
+            assert got is out
+            np.testing.assert_array_equal(got.view(np.uint8), fp8.transpose_reference(x).view(np.uint8))
+    x = rng.integers(0, 256, (256, 640), dtype=np.uint8)[:, 64:576]  # not contiguous
+    np.testing.assert_array_equal(fp8.transpose(x), fp8.transpose_reference(x))
+
+
 def test_count_nonfinite_finds_each_one():
     from k2jax.checkpoint import fp8
 
