@@ -112,6 +112,21 @@ class Scratch:
         return self.get(purpose, n)[:n].view(dtype).reshape(shape)
 
 
+class Lent(Scratch):
+    """A Scratch that hands out one given buffer (uint8, aligned, at least `read_size` bytes) for every purpose:
+    `read(name, Lent(buf))` fills buf (the converter's reads go into buffers it lends and takes back)."""
+
+    def __init__(self, buf: np.ndarray):
+        super().__init__()
+        self.buf = buf
+
+    def get(self, purpose: str, nbytes: int) -> np.ndarray:
+        n = -(-nbytes // ALIGN) * ALIGN
+        if n > self.buf.nbytes:
+            raise ValueError(f"Lent: {nbytes} bytes asked of a buffer of {self.buf.nbytes}")
+        return self.buf[:n]
+
+
 def _no_duplicate_keys(pairs):
     keys = [k for k, _ in pairs]
     if len(keys) != len(set(keys)):
@@ -229,6 +244,14 @@ class SafetensorsFile:
             row = math.prod(shape[1:]) * info.np_dtype.itemsize
             shape, begin, end = (rows[1] - rows[0], *shape[1:]), begin + rows[0] * row, begin + rows[1] * row
         return info, shape, begin, end
+
+    def read_size(self, name: str, rows: tuple[int, int] | None = None) -> int:
+        """Bytes `read(name, scratch, rows)` takes from its scratch (an O_DIRECT read: the aligned span around
+        the data, whole blocks)."""
+        _, _, begin, end = self.span(name, rows)
+        if not self._direct or end == begin:
+            return end - begin
+        return -(-(end - (begin - begin % ALIGN)) // ALIGN) * ALIGN
 
     def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor `name` (or its rows [a, b) when rows=(a, b): a contiguous part) as a writable numpy array
@@ -434,6 +457,10 @@ class Checkpoint:
 
     def file_of(self, name: str) -> str:
         return self._base(self.tensors[name].file)
+
+    def read_size(self, name: str, rows: tuple[int, int] | None = None) -> int:
+        """Bytes a `read` of the tensor (or its rows) takes from its scratch (see SafetensorsFile.read_size)."""
+        return self.files[self.file_of(name)].read_size(name, rows)
 
     def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """One tensor (or some of its rows) as numpy (thread-safe; see SafetensorsFile.read)."""
