@@ -144,11 +144,10 @@ class TensorConverter:
         scratch, dtype = self.scratch, self.leaf_dtype[name]
         if scale is not None and transposed:  # every FP8 weight, bf16/f32 output
             # as load_hf: products in float32, one rounding to the target dtype; the pass also counts NaN/inf
-            if raw.ctypes.data % 64:  # jax copies a misaligned input itself, several times slower than this
-                raw = _copy(raw, scratch.array("in", raw.shape, raw.dtype))
             b = self.block[0]
             x, bad = dequantize_fp8_transposed(raw, scale[rows[0] // b:-(-rows[1] // b)], self.block, dtype,
-                                               scratch.array("out", raw.shape[::-1], dtype))
+                                               scratch.array("out", raw.shape[::-1], dtype),
+                                               scratch.array("in", raw.shape[::-1], np.uint8))
             return bad, x
         bad = count_nonfinite(raw)
         if scale is not None:
@@ -156,7 +155,3 @@ class TensorConverter:
         raw = raw.astype(dtype, copy=False)
         return bad, transpose(raw, scratch.array("out", raw.shape[::-1], dtype)) if transposed else raw
 
-
-def _copy(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    np.copyto(out, x)
-    return out
