@@ -268,6 +268,25 @@ def test_transpose_is_numpys():
     np.testing.assert_array_equal(fp8.transpose(x), fp8.transpose_reference(x))
 
 
+def test_int4_fast_forms_are_the_plain_ones():
+    """int4.to_k2jax (byte transpose + XLA nibble repack) = to_k2jax_reference, and
+    dequantize_packed_int4_transposed = dequantize_packed_int4(...).T, bit for bit, on odd shapes."""
+    from k2jax.checkpoint import int4
+
+    rng = np.random.default_rng(6)
+    for out, inn in [(2, 32), (6, 96), (130, 160), (258, 512), (1026, 288)]:
+        packed = rng.integers(-2**31, 2**31, (out, inn // 8), dtype=np.int64).astype(np.int32)
+        scale = rng.standard_normal((out, inn // 32)).astype(jnp.bfloat16)
+        for got, want in zip(int4.to_k2jax(packed, scale), int4.to_k2jax_reference(packed, scale)):
+            assert got.flags.c_contiguous and got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        for dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            got = int4.dequantize_packed_int4_transposed(packed, scale, dtype)
+            want = np.ascontiguousarray(int4.dequantize_packed_int4(packed, scale, dtype).T)
+            assert got.flags.c_contiguous and got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_count_nonfinite_finds_each_one():
     from k2jax.checkpoint import fp8
 

@@ -100,8 +100,8 @@ class TensorConverter:
                 self.writer.write(values, t.index, v, self.scratch)
                 self.writer.write(name + ".scales", t.index, s, self.scratch)
             else:
-                x = int4_format.dequantize_packed_int4(raw, scale, self.leaf_dtype[name])
-                self.writer.write(name, t.index, transpose(x), self.scratch)
+                x = int4_format.dequantize_packed_int4_transposed(raw, scale, self.leaf_dtype[name])
+                self.writer.write(name, t.index, x, self.scratch)
             return 0
         shape = self.ckpt.tensors[t.name].shape
         transposed, dequantize = self._transposed(src, shape), scale is not None and not held
