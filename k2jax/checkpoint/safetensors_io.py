@@ -48,6 +48,9 @@ DTYPES: dict[str, np.dtype] = {
 
 # O_DIRECT: buffer address, file offset and length in multiples of this (covers 512 B and 4 KiB sectors).
 ALIGN = 4096
+# Smaller tensors (FP8 scales, norms) are read through the page cache even with direct=True: a disk request
+# each would cost more than the copy, and the scales the verification read are still there for the conversion.
+DIRECT_MIN_BYTES = 256 << 10
 
 if sys.byteorder != "little":  # bfloat16 / float8 have no byte-swapped numpy dtypes
     raise ImportError("k2jax.checkpoint.safetensors_io needs a little-endian host")
@@ -249,7 +252,7 @@ class SafetensorsFile:
         """Bytes `read(name, scratch, rows)` takes from its scratch (an O_DIRECT read: the aligned span around
         the data, whole blocks)."""
         _, _, begin, end = self.span(name, rows)
-        if not self._direct or end == begin:
+        if not self._direct or end - begin < DIRECT_MIN_BYTES:
             return end - begin
         return -(-(end - (begin - begin % ALIGN)) // ALIGN) * ALIGN
 
@@ -258,7 +261,7 @@ class SafetensorsFile:
         (bf16/fp8 as ml_dtypes types): a fresh one, or with `scratch` a view of its "read" buffer (valid until
         this thread's next read with it)."""
         info, shape, begin, end = self.span(name, rows)
-        if not self._direct or end == begin:
+        if not self._direct or end - begin < DIRECT_MIN_BYTES:
             arr = np.empty(shape, info.np_dtype) if scratch is None else scratch.array("read", shape, info.np_dtype)
             if end > begin:
                 self._pread(end - begin, begin, memoryview(arr.reshape(-1).view(np.uint8)))
