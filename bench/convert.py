@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from k2jax import K2Config
-    from k2jax.checkpoint.convert.pool import memory_bound
+    from k2jax.checkpoint.convert.pool import WORKERS, memory_bound
     from k2jax.testing import write_release_checkpoint
 
     work = pathlib.Path(args.dir)
@@ -178,11 +178,11 @@ def main() -> None:
               f"= {moved_cp / (1 + out_bytes / src_bytes) * t_rd / src_bytes:.2f} of the sequential read")
     if same is not None:
         print(f"output identical to the baseline's: {same}")
-    bound, how = memory_bound(args.workers or min(8, 2 * (os.cpu_count() or 1)))
+    bound, how = memory_bound(args.workers or WORKERS)
     print(f"peak RSS {med['convert'][1] / 2**30:.2f} GiB; buffers bounded by {bound / 2**30:.2f} GiB = {how}, whatever "
           f"the file sizes; largest decoder block converted {block_bytes / 2**30:.2f} GiB")
-    print(f"projected for the 959 GB release at the rate after start-up: convert {RELEASE_BYTES / steady / 3600:.2f} h, "
-          f"cp {RELEASE_BYTES / (src_bytes / t_cp) / 3600:.2f} h")
+    print(f"projected for the 959 GB release at the rate after start-up: "
+          f"convert {RELEASE_BYTES / steady / 3600:.2f} h, cp {RELEASE_BYTES / (src_bytes / t_cp) / 3600:.2f} h")
 
 
 def trees_equal(a: pathlib.Path, b: pathlib.Path) -> bool:

@@ -22,6 +22,7 @@ from k2jax.checkpoint.hf_validate import Source
 from k2jax.checkpoint.safetensors_io import Checkpoint, Scratch, aligned_empty
 
 READERS = 2  # reads in flight (each thread waits on one)
+WORKERS = 8  # converting threads by default: most of the time each waits on its write, not on a CPU
 READ_AHEAD_BYTES = 128 << 20  # pieces read and not yet converted, at most (or one piece, if bigger)
 BUFFERS_PER_WORKER = 4  # a converting thread's: misaligned input copied, XLA's result, output, a chunk's copy
 
