@@ -36,7 +36,7 @@ class ScriptedRunner:
         self.state = {"pages": np.zeros((num_pages, page_size), np.float32), "scales": np.zeros(1, np.float32)}
         self._prompts: dict[int, list[int]] = {}  # slot -> the prompt ids seen so far
 
-    def compile(self, shapes, on_progress=None) -> float:
+    def compile(self, shapes, on_progress=None, on_start=None) -> float:
         return 0.0
 
     def step(self, shape, batch) -> dict:

@@ -41,7 +41,8 @@ def test_demo_runs_the_whole_path_with_the_expected_sections(tmp_path):
     assert [(int(d), e) for d, e, _ in rows] == [(d, str(d)) for d in range(8)], out
     per_device = {b for _, _, b in rows}
     assert len(per_device) == 1 and f"estimate from the abstract tree: {per_device.pop()} MiB per device" in out
-    assert len(re.findall(r"^\s+'.*' -> '.*'$", out, re.M)) == 3  # one line per prompt
+    # one line per prompt; repr quotes a text holding ' with "
+    assert len(re.findall(r"""^\s+(['"]).*\1 -> (['"]).*\2$""", out, re.M)) == 3, out
     assert re.search(r"prefill: \d+ prompt tokens in \d+ ms = [\d,]+ tokens/s", out)
     assert re.search(r"decode:  3 steps x 3 sequences in [\d.]+ s = [\d,]+ tokens/s", out)
     # --workdir keeps the source checkpoint, the complete conversion and the tokenizer

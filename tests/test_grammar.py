@@ -3,6 +3,7 @@ real BPE pieces: every output is checked by an independent validator (jsonschema
 never by the grammar library itself."""
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -172,7 +173,7 @@ def test_termination_forces_the_stop_tokens(tok, gtok, compiler):
     schema = {"type": "object", "properties": {"x": {"const": 1}}, "required": ["x"], "additionalProperties": False}
     m = compiler.json_schema(schema).matcher()
     row = np.zeros(gtok.words, dtype=np.int32)
-    for t in tok.encode('{"x": 1}'):
+    for t in tok.encode('{"x":1}'):
         assert not m.can_stop()
         assert m.accept(t)
     assert m.can_stop() and not m.is_terminated()
@@ -231,12 +232,12 @@ def _accepts(grammar, tok, text):
 
 def test_reasoning_before_the_constrained_part(tok, compiler, tmp_path):
     g = compiler.for_request(response_format={"type": "json_object"}, reasoning=True)
-    assert _accepts(g, tok, '<think>maybe {"a": 1}? no.</think>{"a": 2}')
-    assert _accepts(g, tok, '{"a": 2}')  # thinking may be skipped
-    assert not _accepts(g, tok, '<think>unclosed {"a": 2}')
+    assert _accepts(g, tok, '<think>maybe {"a": 1}? no.</think>{"a":2}')
+    assert _accepts(g, tok, '{"a":2}')  # thinking may be skipped
+    assert not _accepts(g, tok, '<think>unclosed {"a":2}')
     g = compiler.for_request(tools=TOOLS, tool_choice="required", reasoning_at_start=True)
     call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.add:0<|tool_call_argument_begin|>'
-            '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>')
+            '{"a":1,"b":2}<|tool_call_end|><|tool_calls_section_end|>')
     assert _accepts(g, tok, "I will add.</think>" + call)
     assert not _accepts(g, tok, call)
     # With <think> and </think> as special tokens (K2-Thinking's tokenizer), they are matched as tokens.
@@ -245,7 +246,7 @@ def test_reasoning_before_the_constrained_part(tok, compiler, tmp_path):
     think_tok = KimiTokenizer(load_ranks(d / "tiktoken.model"), special_names={n + 20: "<think>", n + 21: "</think>"})
     g = GrammarCompiler(GrammarTokenizer(think_tok, think_tok.vocab_size)).for_request(
         response_format={"type": "json_object"}, reasoning=True)
-    assert _accepts(g, think_tok, '<think>hmm</think>{"b": true}')
+    assert _accepts(g, think_tok, '<think>hmm</think>{"b":true}')
     assert think_tok.encode("<think>", allow_special=True) == [n + 20]
 
 
@@ -265,7 +266,156 @@ def test_bad_requests_raise_value_error(compiler):
     assert compiler.for_request(response_format=lenient) is not None  # unsupported keyword ignored
     with pytest.raises(ValueError, match=r"tools\[0\]\.function\.name"):
         compiler.for_request(tools=[{"type": "function", "function": {"name": "a b"}}], tool_choice="required")
-    assert compiler.for_request(tools=TOOLS, tool_choice="auto") is None
+    assert compiler.for_request(tools=TOOLS, tool_choice="none") is None
     assert compiler.for_request(response_format={"type": "text"}) is None
+    with pytest.raises(ValueError, match="json_whitespace"):
+        compiler.for_request(response_format={"type": "json_object"}, whitespace="pretty")
     with pytest.raises(ValueError, match="vocab_size"):
         GrammarTokenizer(compiler.gtok.tokenizer, 10)
+
+
+# --- ids by construction, one call when asked, a section within its budget, compact JSON ---------------------
+
+SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def _marker_bias(tok, gtok, **bias):
+    """Logit biases on the named markers (call_begin=, section_end=) and on whitespace-only tokens
+    (whitespace=)."""
+    out = np.zeros(gtok.vocab_size)
+    ids = {"call_begin": [tok.special_tokens[CB]], "section_end": [tok.special_tokens[SE]],
+           "section_begin": [tok.special_tokens[SB]],
+           "whitespace": [i for i in range(tok.num_base) if not tok.decode_bytes([i]).strip()]}
+    for k, b in bias.items():
+        out[ids[k]] += b
+    return out
+
+
+def test_call_ids_count_on_from_the_conversation_calls(tok, gtok, compiler):
+    """IDX is fixed by the grammar: call i of a section is functions.NAME:{call_offset + i}, whatever the
+    model would write; the digits of any other index are refused."""
+    rng = np.random.default_rng(4)
+    bias = _marker_bias(tok, gtok, call_begin=1.0)  # several calls per section
+    for offset in (0, 3, 17):
+        g = compiler.for_request(tools=TOOLS, tool_choice="required", **({"call_offset": offset} if offset else {}))
+        counts = []
+        for _ in range(6):
+            ids, _ = decode(g.matcher(), gtok, rng, bias)
+            calls = _check_calls(tok.decode(ids), set(SCHEMAS))
+            assert [c["id"] for c in calls] == [f"functions.{c['function']['name']}:{offset + i}"
+                                                for i, c in enumerate(calls)]
+            counts.append(len(calls))
+        assert max(counts) > 1  # parallel sections were drawn, so the counter was seen to count
+    for wrong in ("functions.add:1", "functions.add:30", "functions.add:4", "functions.add:03"):
+        m = compiler.for_request(tools=TOOLS, tool_choice="required", call_offset=3).matcher()
+        text = SB + CB + wrong
+        assert not all(m.accept(t) for t in tok.encode(text, allow_special=True)), wrong
+    named = compiler.for_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                                 call_offset=5)
+    assert _accepts(named, tok, SB + CB + 'functions.add:5' + AB + '{"a":1,"b":2}' + CE + SE)
+    assert not _accepts(named, tok, SB + CB + 'functions.add:0' + AB + '{"a":1,"b":2}' + CE + SE)
+
+
+def _allowed(m, gtok) -> set[int]:
+    row = np.zeros(gtok.words, dtype=np.int32)
+    m.fill_bitmask(row)
+    return set(np.nonzero(unpack_bits(row, gtok.vocab_size))[0].tolist())
+
+
+def test_one_call_when_not_parallel_then_only_the_end(tok, gtok, compiler):
+    """parallel_tool_calls false: after one call the section must end, then only a stop token may follow;
+    for "required" and for "auto" once the model opens a section (text before it is free)."""
+    call = CB + "functions.add:0" + AB + '{"a":1,"b":2}' + CE
+    end, stops = tok.special_tokens[SE], set(tok.stop_ids)
+    for choice, head in (("auto", "Let me add. "), ("required", "")):
+        g = compiler.for_request(tools=TOOLS, tool_choice=choice, parallel=False)
+        m = g.matcher()
+        assert all(m.accept(t) for t in tok.encode(head + SB + call, allow_special=True))
+        assert _allowed(m, gtok) == {end}, choice
+        assert m.accept(end) and _allowed(m, gtok) == stops
+        assert not _accepts(g, tok, head + SB + call + call.replace(":0", ":1") + SE)
+    # parallel: another call may follow (its index one up), and "auto" may also end without any call
+    g = compiler.for_request(tools=TOOLS, tool_choice="auto", call_offset=2)
+    call = call.replace(":0", ":2")
+    assert _accepts(g, tok, "Let me add. " + SB + call + call.replace(":2", ":3") + SE)
+    assert _accepts(g, tok, "No tool needed.")
+    assert not _accepts(g, tok, "No tool needed." + CE)  # markers outside a section are refused
+    rng = np.random.default_rng(5)
+    for _ in range(10):  # sampled: free text, then (when the model opens one) a one-call section
+        ids, _ = decode(g.matcher(), gtok, rng, _marker_bias(tok, gtok, section_begin=4.0))
+        content, calls = tool_calls.parse(tok.decode(ids))
+        assert [c["id"] for c in calls] == [f"functions.{c['function']['name']}:{2 + i}" for i, c in enumerate(calls)]
+
+
+def test_a_parallel_section_closes_within_its_budget(tok, gtok, compiler):
+    """A model that always wants another call: with max_tokens as the budget the section ends (with a stop
+    token after it) within max_tokens, before a call it has no room for; without a budget it runs on to
+    MAX_PARALLEL_CALLS calls."""
+    from k2jax.serving.grammar import MAX_PARALLEL_CALLS
+
+    rng = np.random.default_rng(6)
+    bias = _marker_bias(tok, gtok, call_begin=30.0)
+    add = TOOLS[1:2]  # bounded arguments: a call takes 15 to 25 tokens
+    for budget in (60, 90, 160):
+        g = compiler.for_request(tools=add, tool_choice="required", max_tokens=budget)
+        for _ in range(4):
+            ids, stop = decode(g.matcher(), gtok, rng, bias)
+            assert len(ids) <= budget and ids[-1] == tok.special_tokens[SE], (budget, len(ids))
+            calls = _check_calls(tok.decode(ids), {"add"})
+            assert len(calls) > 1 or budget < 100, (budget, len(ids))  # room for several calls: they came
+    ids, _ = decode(compiler.for_request(tools=add, tool_choice="required").matcher(), gtok, rng, bias)
+    assert len(_check_calls(tok.decode(ids), {"add"})) == MAX_PARALLEL_CALLS
+
+
+WHITESPACE_RUN = re.compile(r"[\r\n\t]|  ")
+
+
+def test_compact_json_whitespace_by_default(tok, gtok, compiler):
+    """The JSON of response_format and of tool arguments has no whitespace between its tokens by default,
+    even from a model that favours whitespace; json_whitespace "spaced" allows one space after ':' and ',',
+    "any" any JSON whitespace (at most 16 characters per gap)."""
+    rng = np.random.default_rng(7)
+    bias = _marker_bias(tok, gtok, whitespace=6.0)
+    schema = SCHEMAS["search"]
+    rf = {"type": "json_schema", "json_schema": {"schema": schema}}
+    for _ in range(5):
+        text = tok.decode(decode(compiler.for_request(response_format=rf).matcher(), gtok, rng, bias)[0])
+        jsonschema.validate(json.loads(text), schema)
+        assert not re.search(r"\s", _outside_strings(text)), text
+        ids, _ = decode(compiler.for_request(tools=TOOLS, tool_choice="required").matcher(), gtok, rng, bias)
+        for c in _check_calls(tok.decode(ids), set(SCHEMAS)):
+            args = c["function"]["arguments"]
+            assert not re.search(r"\s", _outside_strings(args)), args
+        spaced = compiler.for_request(response_format=rf, whitespace="spaced")
+        text = tok.decode(decode(spaced.matcher(), gtok, rng, bias)[0])
+        assert not _loose(text) and re.search(r"[:,] ", _outside_strings(text)), text
+    obj = compiler.for_request(response_format={"type": "json_object"})
+    assert _accepts(obj, tok, '{"a":[1,2],"b":{"c":null}}')
+    assert not _accepts(obj, tok, '{"a": 1}')
+    spaced = compiler.for_request(response_format={"type": "json_object"}, whitespace="spaced")
+    assert _accepts(spaced, tok, '{"a": [1, 2], "b":{"c":null}}')
+    for loose in ('{ "a": 1}', '{"a":  1}', '{"a":\r1}', '{"a" : 1}', '{"a": [1 ,2]}', '{"a": 1\n}'):
+        assert not _accepts(obj, tok, loose) and not _accepts(spaced, tok, loose), loose
+    loose = compiler.for_request(response_format={"type": "json_object"}, whitespace="any")
+    assert _accepts(loose, tok, '{ "a" :\r\n 1 }')
+    texts = [tok.decode(decode(loose.matcher(), gtok, rng, bias + _close_bias(tok, gtok))[0]) for _ in range(5)]
+    assert any(_loose(t) for t in texts)  # the looser grammar is what the bound removes
+
+
+def _loose(text: str) -> bool:
+    """Whether JSON text has whitespace outside its strings other than one space after ':' or ','."""
+    outside = _outside_strings(text)
+    return bool(WHITESPACE_RUN.search(outside) or re.search(r"[^:,] ", outside))
+
+
+def _outside_strings(text: str) -> str:
+    """JSON text with its string literals blanked out (spaces inside strings are the model's own text)."""
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+
+
+def _close_bias(tok, gtok):
+    bias = np.zeros(gtok.vocab_size)
+    for piece in ("}", "]", '"', "0", ","):
+        bias[tok.encode(piece)] = 4.0
+    return bias

@@ -108,6 +108,71 @@ def test_chat_refuses_what_it_does_not_implement(tok, body, param):
     refused({"messages": [{"role": "user", "content": "hi"}]} | body, param, chat=True, tok=tok)
 
 
+FN = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["CET", "UTC"]}}}}
+CALLED = [{"role": "user", "content": "time?"},
+          {"role": "assistant", "tool_calls": [{"id": "functions.get_time:0", "type": "function",
+                                                "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]}]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required"])
+@pytest.mark.parametrize("body,param", [
+    ({"messages": CALLED + [{"role": "tool", "tool_call_id": "functions.get_time:7", "content": "12:00"}]},
+     "messages[2].tool_call_id"),
+    ({"tools": [{"type": "function", "function": FN | {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": FN}, {"type": "function", "function": FN | {"parameters": {}}}]},
+     "tools[1].function.name"),
+    ({"messages": [CALLED[0], {"role": "assistant", "tool_calls": [{"id": "functions.get_time:0", "function": {
+        "name": "get_time", "arguments": "{zone: CET"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"stop": [f"s{i}" for i in range(50)]}, "stop"),
+    ({"stop": list("abcde")}, "stop"),
+])
+def test_agent_requests_are_checked_whatever_the_tool_choice(tok, body, param, choice):
+    """A tool result for an id no call had, a tool name off OpenAI's pattern, two tools of one name, assistant
+    arguments that are not JSON, more than 4 stop strings: each a 400 naming the field, under every
+    tool_choice (the tool result names the id it could not match)."""
+    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+
+    grammars = GrammarCompiler(GrammarTokenizer(tok, LIMITS.vocab_size))
+    body = {"messages": CALLED[:1], "tools": [{"type": "function", "function": FN}], "max_tokens": 4} | body
+    if choice is not None:
+        body["tool_choice"] = choice
+    with pytest.raises(fields.BadRequest) as e:
+        fields.parse_chat(body, tok, fields.Limits(1024, 4096, 12), grammars=grammars)
+    assert e.value.param == param, (e.value.param, e.value.message)
+    assert e.value.message.startswith(param)
+    if "tool_call_id" in param:
+        assert "'functions.get_time:7'" in e.value.message
+    ok = fields.parse_chat({"messages": CALLED + [{"role": "tool", "tool_call_id": "functions.get_time:0",
+                                                  "content": "12:00"}], "stop": list("abcd"), "max_tokens": 4,
+                            "tools": [{"type": "function", "function": FN}]}, tok, fields.Limits(1024, 4096, 12),
+                           grammars=grammars)
+    assert ok.params[0].stop == tuple("abcd")
+
+
+def test_a_grammar_counts_on_from_the_conversation_calls(tok):
+    """The grammar spec the engine gets: ids counted on from the assistant calls in the messages, the
+    budget, the whitespace (the server's default, or the request's)."""
+    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+
+    grammars = GrammarCompiler(GrammarTokenizer(tok, LIMITS.vocab_size))
+    tools = [{"type": "function", "function": FN}]
+    two = CALLED[:1] + [{"role": "assistant", "tool_calls": CALLED[1]["tool_calls"] * 2}]
+    two[1]["tool_calls"] = [dict(c, id=f"functions.get_time:{i}") for i, c in enumerate(two[1]["tool_calls"])]
+    msgs = two + [{"role": "tool", "tool_call_id": f"functions.get_time:{i}", "content": "x"} for i in range(2)]
+    for choice in ("auto", "required"):
+        job = fields.parse_chat({"messages": msgs, "tools": tools, "tool_choice": choice, "max_tokens": 7},
+                                tok, fields.Limits(1024, 4096, 12), grammars=grammars)
+        spec = job.params[0].grammar
+        assert (spec["call_offset"], spec["max_tokens"], spec["whitespace"]) == (2, 7, "compact")
+    job = fields.parse_chat({"messages": CALLED[:1], "response_format": {"type": "json_object"},
+                             "json_whitespace": "any"}, tok, fields.Limits(1024, 4096, 12), grammars=grammars)
+    assert job.params[0].grammar["whitespace"] == "any" and job.params[0].grammar["call_offset"] == 0
+    assert fields.parse_chat({"messages": CALLED[:1], "tools": tools, "tool_choice": "none"}, tok,
+                             fields.Limits(1024, 4096, 12), grammars=grammars).params[0].grammar is None
+    refused({"messages": CALLED[:1], "json_whitespace": "pretty", "response_format": {"type": "json_object"}},
+            "json_whitespace", chat=True, tok=tok)
+
+
 def test_echo_and_prompt_lists(tok):
     job = fields.parse_completion({"prompt": ["The quick", "brown"], "echo": True}, tok, LIMITS)
     assert job.prompts == [tok.encode("The quick"), tok.encode("brown")]

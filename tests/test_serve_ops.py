@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -88,11 +89,12 @@ def test_a_taken_port_fails_at_once_naming_it(files):
 
 @pytest.fixture(scope="module")
 def small(files, tmp_path_factory):
-    """2 slots, a queue of 1."""
+    """2 slots, a queue of 1, a pool of 1536 tokens (two long requests do not fit at once)."""
     ckpt, tok = files
     port = free_port()
     s = Server(serve_argv(ckpt, tok, port, "--max-batch", "2", "--max-queue", "1", "--max-len", "1024",
-                          "--prefill-chunk", "16"), port, tmp_path_factory.mktemp("small") / "out.log")
+                          "--prefill-chunk", "16", "--kv-tokens", "1536"), port,
+               tmp_path_factory.mktemp("small") / "out.log")
     yield s
     s.stop()
 
@@ -118,6 +120,54 @@ def test_the_queue_is_counted_after_admission(small):
     assert [r.status_code for r in first] == [200] * 3, [r.text for r in first]
     assert fourth.status_code == 429 and fourth.headers["retry-after"].isdigit()
     assert fourth.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def _readme_counters() -> list[str]:
+    """The counters README's /metrics paragraph lists."""
+    text = (REPO / "README.md").read_text()
+    para = text[text.index("  - `GET /metrics` (Prometheus text)."):]
+    para = para[:para.index("\n- **")]
+    return sorted(set(re.findall(r"`(k2jax_\w+_total)`", para)))
+
+
+def test_every_counter_the_readme_lists_moves(small):
+    """After requests of every kind (finished, refused with 429 and with 400, preempted by a full pool,
+    served in part from the prefix cache) each counter README lists has moved, the compilations apart (they
+    moved at the warm-up and stay put); the prompt-token counter moved by the requests' usage.prompt_tokens,
+    and the prefilled and cached counters split those prompts."""
+    names = _readme_counters()
+    assert len(names) >= 10 and "k2jax_prompt_tokens_prefilled_total" in names, names
+    before = {n: metric(small.port, n) for n in names}
+    url = f"http://127.0.0.1:{small.port}/v1/completions"
+    long = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    shared = list(range(10, 210))  # 200 tokens: three full pages the second request finds cached
+
+    async def main():
+        async with httpx.AsyncClient(timeout=600) as c:
+            first = [asyncio.ensure_future(c.post(url, json=long)) for _ in range(3)]
+            t0 = time.time()
+            while metric(small.port, "k2jax_queue_depth") < 1:
+                assert time.time() - t0 < 60
+                await asyncio.sleep(0.01)
+            refused = [await c.post(url, json=long | {"max_tokens": 2}), await c.post(url, json={"prompt": [5],
+                                                                                               "top_p": 2})]
+            done = [await f for f in first]
+            for _ in range(2):
+                done.append(await c.post(url, json={"model": "tiny", "prompt": shared, "max_tokens": 3}))
+            return done, refused
+
+    done, refused = asyncio.run(main())
+    assert [r.status_code for r in done] == [200] * 5 and [r.status_code for r in refused] == [429, 400]
+    after = {n: metric(small.port, n) for n in names}
+    for n in names:
+        if n == "k2jax_compilations_total":
+            assert after[n] == before[n] > 0, n
+        else:
+            assert after[n] > before[n], (n, before[n], after[n])
+    usage = sum(r.json()["usage"]["prompt_tokens"] for r in done)
+    assert after["k2jax_prompt_tokens_total"] - before["k2jax_prompt_tokens_total"] == usage == 3 * 3 + 2 * 200
+    split = [after[n] - before[n] for n in ("k2jax_prompt_tokens_prefilled_total", "k2jax_prompt_tokens_cached_total")]
+    assert sum(split) == usage and split[1] == 192, split  # the second shared prompt: three pages of 64 cached
 
 
 # --- API key, logs and SIGTERM: one server, stopped by the last test ------------------------------------
@@ -180,7 +230,12 @@ def test_the_logs_say_what_the_server_does(ops):
     time.sleep(1.0)  # the stats line of the last interval
     log = ops.log()
     n = int(log.split("compiling 1/")[1].split(":")[0])
-    assert all(f"compiling {k}/{n}: " in log for k in range(1, n + 1))
+    # what the server does between loading and serving: a line before the first compile, one as each program
+    # begins compiling (with the time since the warm-up began, in order), one when the timing begins
+    assert f"warming up: tracing and compiling {n} step programs" in log
+    at = [float(m.group(1)) for m in re.finditer(r"compiling \d+/\d+: .*\(at (\d+\.\d) s\)", log)]
+    assert len(at) == n and at == sorted(at), at
+    assert log.index("warming up:") < log.index("compiling 1/") < log.index("; timing ") < log.index("compiled and")
     assert "compiled and timed the engine steps" in log and "cut to a first chunk's " in log
     assert "compute dtype float32, weights float32" in log and "cache float32" in log
     lines = log.splitlines()
@@ -189,6 +244,7 @@ def test_the_logs_say_what_the_server_does(ops):
     assert any('"POST /v1/completions" 400 ' in ln and 'error="top_p: must be in' in ln for ln in lines)
     stats = [ln for ln in lines if "stats: running 1, waiting 0" in ln]
     assert stats and "generation " in stats[0] and "tokens/s" in stats[0] and "% in use" in stats[0]
+    assert all(re.search(r"prompt \d+\.\d tokens/s \(\+\d+\.\d cached\)", ln) for ln in stats), stats[0]
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(ops):

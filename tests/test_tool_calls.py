@@ -69,6 +69,23 @@ SCRIPTS = {
                                        ChatMessage("plain answer <think>not reasoning</think>", None, [])),
     "stray_special_tokens_hidden": ("Hello<|im_middle|> world [EOS]x" + "<|reserved_token_{n}|>", {},
                                     ChatMessage("Hello world x", None, [])),
+    # a free model repeats an id: the repeat gets 1 + the largest IDX so far (ids stay unique in a response)
+    "repeated_ids_renumbered": (
+        SB + call("functions.get_time:4", '{"z": 1}') + call("functions.get_time:2", '{"z": 2}')
+        + call("functions.get_time:4", '{"z": 3}') + call("functions.get_weather:4", "{}") + SE
+        + SB + call("functions.get_time:2", '{"z": 4}') + SE, {},
+        ChatMessage(None, None, [tc("functions.get_time:4", "get_time", '{"z": 1}'),
+                                 tc("functions.get_time:2", "get_time", '{"z": 2}'),
+                                 tc("functions.get_time:5", "get_time", '{"z": 3}'),
+                                 tc("functions.get_weather:4", "get_weather", "{}"),
+                                 tc("functions.get_time:6", "get_time", '{"z": 4}')])),
+    # a forced call cut by max_tokens: no markup left in content, no calls (finish_reason stays "length")
+    "forced_cut_by_max_tokens": (
+        SB + call("functions.get_weather:0", '{"city": "Beijing"}') + CB + "functions.get_time:1" + AB + '{"tz": "A',
+        {"forced": True}, ChatMessage("", None, [])),
+    "forced_reasoning_then_cut": (
+        "<think>call it" + SB + CB + "functions.get_time:0" + AB, {"forced": True, "reasoning": True},
+        ChatMessage(None, "call it", [])),
     "tools_off": ("a" + SB + call("functions.f:0", "{}") + SE, {"tools": False},
                   ChatMessage("afunctions.f:0{}", None, [])),
 }
@@ -188,6 +205,15 @@ def test_special_tokens_kept_when_not_skipped(tok):
     text = "a<|im_middle|>b"
     assert parse_output(text, hide=hidden_names(tok, skip_special_tokens=False)).content == text
     assert parse_output(text, hide=hidden_names(tok)).content == "ab"
+
+
+def test_a_repeated_id_is_logged(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="k2jax.serve"):
+        _, calls = tool_calls.parse(SB + call("functions.f:0", "{}") + call("functions.f:0", "{}") + SE)
+    assert [c["id"] for c in calls] == ["functions.f:0", "functions.f:1"]
+    assert "'functions.f:0' repeated in one response: renamed 'functions.f:1'" in caplog.text
 
 
 def test_parsed_calls_render_back_verbatim(tok):

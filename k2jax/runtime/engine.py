@@ -256,19 +256,29 @@ class Engine:
         """The mesh context the steps are traced under. Thread-local: entered on the thread that steps."""
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
 
-    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None,
+                note: Callable[[str], None] | None = None) -> float:
         """Compile every step the scheduler can ask for, then (stall_bound) time the steps it weighs;
-        -> seconds. progress(k, n, what) after the k-th of n programs compiled."""
-        def report(k, n, shape):
+        -> seconds. progress(k, n, what) as the k-th of n programs begins compiling (on a compiling thread);
+        note(what) when the compiling is done and the timing begins."""
+        shapes, begun, lock = self.sched.shapes(), [0], threading.Lock()
+
+        def report(shape):
             if progress is not None:
                 what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
                         f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
-                progress(k, n, f"{what}, reading {shape.read_pages * self.pool.page_size} cached tokens")
+                with lock:
+                    begun[0] += 1
+                    progress(begun[0], len(set(shapes)), f"{what}, reading {shape.read_pages * self.pool.page_size} "
+                                                         f"cached tokens")
 
         t0 = time.perf_counter()
         with self._context():
-            self.runner.compile(self.sched.shapes(), report)
-            self.sched.step_s = self.time_steps(self.sched.timed_shapes())
+            self.runner.compile(shapes, on_start=report)
+            timed = self.sched.timed_shapes()
+            if note is not None and timed:
+                note(f"compiled in {time.perf_counter() - t0:.1f} s; timing {len(set(timed))} of the steps")
+            self.sched.step_s = self.time_steps(timed)
         return time.perf_counter() - t0
 
     def time_steps(self, shapes, repeats: int = 2) -> dict:
@@ -363,6 +373,8 @@ class Engine:
             if s.slot >= 0 and s.req.cached_tokens == 0 and s.preemptions == 0:
                 s.req.cached_tokens = s.cached
                 self.metrics.observe_queue(now - s.req.arrived)
+                self.metrics.prompt_prefilled += len(s.req.prompt) - s.cached
+                self.metrics.cached_prompt_tokens += s.cached
         self._gauges()
         t0 = time.perf_counter()
         done = []
@@ -469,7 +481,7 @@ class Engine:
         m.slots_in_use = len(live)
         m.pages_in_use, m.pages_free, m.pages_cached = pool.in_use_count(), pool.free_count(), pool.cached_count()
         m.cache_usage = m.pages_in_use / max(m.pages_total, 1)
-        m.cached_prompt_tokens, m.preemptions = pool.hits, self.sched.preemptions
+        m.preemptions = self.sched.preemptions
 
 
 def round_up_slots(max_batch: int, mesh) -> int:

@@ -38,7 +38,10 @@ class Metrics:
     def __init__(self, max_batch: int):
         self.max_batch = max_batch
         self.requests = self.finished = self.rejected = self.errors = 0
-        self.prompt_tokens = self.generation_tokens = 0
+        # prompt_tokens: every accepted request's usage.prompt_tokens (counted by the HTTP layer); the engine
+        # splits each sequence's prompt, at its admission, into prompt_prefilled (computed) and
+        # cached_prompt_tokens (served from the prefix cache)
+        self.prompt_tokens = self.prompt_prefilled = self.generation_tokens = 0
         self.queue_depth = self.slots_in_use = self.running = self.waiting = 0
         self.pages_total = self.pages_in_use = self.pages_free = self.pages_cached = 0
         self.cache_usage = 0.0  # pages requests hold / the pool's pages
@@ -74,7 +77,10 @@ class Metrics:
             ("k2jax_requests_finished_total", "counter", "requests finished (any reason)", self.finished),
             ("k2jax_requests_rejected_total", "counter", "requests refused with 429 (queue full)", self.rejected),
             ("k2jax_request_errors_total", "counter", "requests answered with a 4xx", self.errors),
-            ("k2jax_prompt_tokens_total", "counter", "prompt tokens prefilled", self.prompt_tokens),
+            ("k2jax_prompt_tokens_total", "counter", "prompt tokens of the requests accepted (their usage."
+             "prompt_tokens summed)", self.prompt_tokens),
+            ("k2jax_prompt_tokens_prefilled_total", "counter", "prompt tokens computed when a sequence was admitted "
+             "(not served from the prefix cache)", self.prompt_prefilled),
             ("k2jax_generation_tokens_total", "counter", "tokens generated", self.generation_tokens),
             ("k2jax_queue_depth", "gauge", "requests waiting for a slot", self.queue_depth),
             ("k2jax_slots_in_use", "gauge", "decode slots holding a request", self.slots_in_use),
@@ -85,8 +91,8 @@ class Metrics:
             ("k2jax_kv_pages_in_use", "gauge", "pages some request holds", self.pages_in_use),
             ("k2jax_kv_pages_free", "gauge", "pages held by nothing (not even the prefix cache)", self.pages_free),
             ("k2jax_kv_pages_cached", "gauge", "pages indexed by the prefix cache", self.pages_cached),
-            ("k2jax_prompt_tokens_cached_total", "counter", "prompt tokens served from the prefix cache",
-             self.cached_prompt_tokens),
+            ("k2jax_prompt_tokens_cached_total", "counter", "prompt tokens served from the prefix cache when a "
+             "sequence was admitted", self.cached_prompt_tokens),
             ("k2jax_preemptions_total", "counter", "requests preempted (pages freed, recomputed later)",
              self.preemptions),
             ("k2jax_compilations_total", "counter", "XLA compilations in this process", compiles()),

@@ -171,10 +171,10 @@ class Runner:
         with self._context():
             return fn.lower(params, state, batch)
 
-    def compile(self, shapes, on_progress=None, threads: int | None = None) -> float:
-        """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each.
-        Programs are traced here and compiled on `threads` threads at once (default: the CPU count, at most
-        4): XLA compiles one program on one core."""
+    def compile(self, shapes, on_progress=None, threads: int | None = None, on_start=None) -> float:
+        """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each;
+        on_start(shape) as each begins compiling (on a compiling thread). Programs are traced here and compiled
+        on `threads` threads at once (default: the CPU count, at most 4): XLA compiles one program on one core."""
         t0 = time.perf_counter()
         todo = [s for s in dict.fromkeys(shapes) if s not in self._compiled]
         if not todo:
@@ -185,7 +185,7 @@ class Runner:
             futures = {}
             for shape in todo:  # tracing is quick, and not thread-safe with the mesh context: here
                 lowered[shape] = self.lower(shape)
-                futures[pool.submit(lowered[shape].compile)] = shape
+                futures[pool.submit(_compile, lowered[shape], shape, on_start)] = shape
             for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
                 self._compiled[futures[f]] = f.result()
                 if on_progress is not None:
@@ -202,6 +202,12 @@ class Runner:
             batch = jax.device_put(batch, sh)
         self.state, out = self._compiled[shape](self.params, self.state, batch)
         return out
+
+
+def _compile(lowered, shape: StepShape, on_start):
+    if on_start is not None:
+        on_start(shape)
+    return lowered.compile()
 
 
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:

@@ -12,10 +12,11 @@ ServeState), and an access log line per request (k2jax.serving.oplog).
 
 Chat requests go through the server's chat template (with tools, tool messages, assistant tool_calls, the
 developer role and chat_template_kwargs), and their output through K2's tool-call and reasoning parsers when
-they ask for it (k2jax.serving.chat_request): the message gets `tool_calls` (ids `functions.NAME:IDX` as the
-model wrote them; finish_reason "tool_calls") and `reasoning_content` apart from `content`, and a stream sends
-OpenAI's deltas for them. tool_choice "required" / a named function and response_format are decoded under a
-grammar (k2jax.serving.grammar).
+they ask for it (k2jax.serving.chat_request): the message gets `tool_calls` (ids `functions.NAME:IDX`,
+counted by the grammar; finish_reason "tool_calls") and `reasoning_content` apart from `content`, and a
+stream sends OpenAI's deltas for them. Tools (tool_choice "auto" from the section on, "required", a named
+function) and response_format are decoded under a grammar (k2jax.serving.grammar). `k2jax_prompt_tokens_total`
+counts each accepted request's usage.prompt_tokens.
 
 Extensions beyond OpenAI's fields (as vLLM names them): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `stop_token_ids`, `ignore_eos`, `skip_special_tokens`, `chat_template_kwargs`; every choice also carries the
@@ -264,6 +265,7 @@ async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0
                               headers={"Retry-After": str(RETRY_AFTER_S)}, kind="rate_limit_exceeded")
     except ValueError as e:
         raise BadRequest(str(e), str(e).split(":")[0]) from None
+    metrics.prompt_tokens += prompt_tokens  # as the usage reports them
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     first = []  # the time of the first token of any choice

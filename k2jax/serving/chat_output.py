@@ -9,7 +9,9 @@ Input: the generated ids detokenized WITH special tokens by name, stop tokens le
      content, so markers of a malformed section or stray special tokens never reach the client.
 `parse_output` (whole text) and `ChatOutputStream` (pieces) give the same message: assemble(stream deltas)
 == parse_output(text) for any way of splitting the text. With `parallel=False` (the request's
-parallel_tool_calls: false) only the first parsed call is kept; later ones are dropped.
+parallel_tool_calls: false) only the first parsed call is kept; later ones are dropped (a grammar allows only
+one anyway). With `forced` (tool_choice "required" or a named function) a section cut by max_tokens is
+dropped rather than shown as content: the message is empty and finish_reason stays "length".
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def hidden_names(tokenizer, skip_special_tokens: bool = True) -> tuple[str, ...]
 
 
 def parse_output(text: str, *, reasoning: bool = False, reasoning_at_start: bool = False, tools: bool = False,
-                 hide: Iterable[str] = (), parallel: bool = True) -> ChatMessage:
+                 hide: Iterable[str] = (), parallel: bool = True, forced: bool = False) -> ChatMessage:
     """Whole generated text -> ChatMessage(content, reasoning_content, tool_calls)."""
     think, rest = reasoning_mod.split_reasoning(text, reasoning_at_start) if reasoning else ("", text)
-    content, calls = tool_calls_mod.parse(rest) if tools else (rest, [])
+    content, calls = tool_calls_mod.parse(rest, drop_cut=forced) if tools else (rest, [])
     calls = calls if parallel else calls[:1]
     strip = SpecialTextFilter(hide).strip
     return ChatMessage.from_parts(strip(content or ""), strip(think), calls)
@@ -43,11 +45,11 @@ class ChatOutputStream:
     `tool_calls` lists the calls released so far (finish_reason: tool_calls.finish_reason(reason, it))."""
 
     def __init__(self, *, reasoning: bool = False, reasoning_at_start: bool = False, tools: bool = False,
-                 hide: Iterable[str] = (), parallel: bool = True):
+                 hide: Iterable[str] = (), parallel: bool = True, forced: bool = False):
         hide = tuple(hide)
         self._parallel = parallel
         self._reasoning = reasoning_mod.ReasoningStream(reasoning_at_start) if reasoning else None
-        self._tools = tool_calls_mod.ToolCallStream() if tools else None
+        self._tools = tool_calls_mod.ToolCallStream(drop_cut=forced) if tools else None
         self._hide_reasoning = SpecialTextFilter(hide)
         self._hide_content = SpecialTextFilter(hide)
 

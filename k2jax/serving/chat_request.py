@@ -1,9 +1,12 @@
 """A chat request's agent fields -> its prompt, its grammar, and how its output is parsed (`ChatSetup`).
 
 Fields read here: `messages` (system, developer, user, assistant with tool_calls, tool), `tools` (OpenAI
-function tools), `tool_choice`, `parallel_tool_calls`, `response_format` and `chat_template_kwargs` (e.g.
-{"thinking": false}); openai_fields reads the sampling fields. Errors are `FieldError`s naming the field
-(`messages[2].tool_call_id`, `tool_choice.function.name`, `response_format.json_schema.schema`, ...).
+function tools), `tool_choice`, `parallel_tool_calls`, `response_format`, `json_whitespace` ("compact",
+"spaced" or "any": JSON whitespace under a grammar, default the server's --json-whitespace) and
+`chat_template_kwargs` (e.g. {"thinking": false}); openai_fields reads the sampling fields. Errors are `FieldError`s naming the field
+(`messages[2].tool_call_id`, `tool_choice.function.name`, `response_format.json_schema.schema`, ...). Checked
+whatever tool_choice is: tool names (OpenAI's pattern, unique), assistant tool-call arguments (JSON), and
+that every tool message answers the id of an earlier assistant call.
 
 - Prompt: the server's ChatTemplate (the checkpoint's jinja template, `--chat-template`, or the built-in K2
   one) rendered with messages, tools and chat_template_kwargs, then tokenized with allow_special=True (the
@@ -12,9 +15,12 @@ function tools), `tool_choice`, `parallel_tool_calls`, `response_format` and `ch
   template leaves the model thinking (ChatTemplate.thinking(kwargs)) or the prompt ends inside `<think>`.
   A request that parses has its output detokenized with special-token names kept (the parsers read the
   markers) and the names hidden again afterwards unless the client sent skip_special_tokens: false.
-- Grammar (structured output, k2jax.serving.grammar): tool_choice "required" or a named function, and
-  response_format json_object / json_schema; compiled here once so that a bad schema is a 400 (the engine
-  gets the JSON-able spec and looks the compiled grammar up in the compiler's cache).
+- Grammar (structured output, k2jax.serving.grammar): tool_choice "required", a named function, or "auto"
+  with tools (the grammar takes over once the model opens a tool-call section), and response_format
+  json_object / json_schema; compiled here once so that a bad schema is a 400 (the engine gets the JSON-able
+  spec and looks the compiled grammar up in the compiler's cache). Call ids are fixed by the grammar:
+  `call_offset` counts the tool calls of the conversation's assistant messages, so the first call of this
+  turn is `functions.NAME:{call_offset}`.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ import dataclasses
 from k2jax.serving.chat_output import ChatOutputStream, hidden_names, parse_output
 from k2jax.serving.chat_template import ChatTemplate, validate_tools
 from k2jax.serving.deltas import ChatMessage
+from k2jax.serving.grammar import WHITESPACE as _WHITESPACE
 from k2jax.serving.reasoning import prompt_opens_reasoning
 from k2jax.serving.tool_calls import finish_reason as tool_finish_reason
 
-AGENT_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"})
+AGENT_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
+                          "json_whitespace"})
 TOOL_CHOICES = ("none", "auto", "required")
+WHITESPACE_MODES = tuple(_WHITESPACE)
 _MESSAGE_PARAMS = ("messages", "tools", "chat_template_kwargs")
 
 
@@ -52,6 +61,7 @@ class ChatSetup:
     reasoning: bool = False  # parse <think> reasoning
     reasoning_at_start: bool = False  # the prompt opened <think>
     parallel_tool_calls: bool = True
+    forced: bool = False  # tool_choice "required" or a named function
     hide: tuple[str, ...] = ()  # special-token names removed from content and reasoning
 
     @property
@@ -61,7 +71,7 @@ class ChatSetup:
 
     def _kwargs(self) -> dict:
         return dict(reasoning=self.reasoning, reasoning_at_start=self.reasoning_at_start, tools=self.tools,
-                    hide=self.hide, parallel=self.parallel_tool_calls)
+                    hide=self.hide, parallel=self.parallel_tool_calls, forced=self.forced)
 
     def stream(self) -> ChatOutputStream:
         """A fresh parser for one streamed choice."""
@@ -126,6 +136,11 @@ def read_tool_choice(body: dict, tools: list[dict] | None):
     return choice
 
 
+def call_offset(messages: list[dict]) -> int:
+    """The tool calls of the conversation's assistant messages: the index of this turn's first call."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
+
+
 def render(template: ChatTemplate, tok, body: dict, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """messages (+ tools, chat_template_kwargs) -> (prompt text, its token ids)."""
     if body.get("messages") is None:
@@ -156,12 +171,16 @@ def chat_setup(body: dict, tok, template: ChatTemplate, grammars, skip_special_t
     kwargs = chat_template_kwargs(body)
     at_start = prompt_opens_reasoning(text)
     reasoning = at_start or template.thinking(kwargs)
+    whitespace = body.get("json_whitespace")
+    if whitespace is not None and whitespace not in WHITESPACE_MODES:
+        raise FieldError("json_whitespace", f"must be one of {', '.join(WHITESPACE_MODES)}, got {whitespace!r}")
     spec = {"tools": tools, "tool_choice": choice, "parallel": parallel, "response_format": body.get("response_format"),
-            "reasoning": reasoning, "reasoning_at_start": at_start}
+            "reasoning": reasoning, "reasoning_at_start": at_start, "call_offset": call_offset(body["messages"]),
+            "whitespace": whitespace or (grammars.whitespace if grammars is not None else None)}
     grammar = _grammar(grammars, spec)
     return ChatSetup(ids, text, grammar, tools=bool(tools) and choice != "none", reasoning=reasoning,
                      reasoning_at_start=at_start, parallel_tool_calls=parallel,
-                     hide=hidden_names(tok, skip_special_tokens))
+                     forced=choice not in ("none", "auto"), hide=hidden_names(tok, skip_special_tokens))
 
 
 def _grammar(grammars, spec: dict) -> dict | None:
@@ -169,10 +188,11 @@ def _grammar(grammars, spec: dict) -> dict | None:
     rf, choice = spec["response_format"], spec["tool_choice"]
     if rf is not None and not isinstance(rf, dict):
         raise FieldError("response_format", f"expected an object, got {rf!r}")
-    constrained = choice not in ("none", "auto") or (rf is not None and rf.get("type") != "text")
-    if not constrained:
-        if rf is not None and set(rf) - {"type"}:
-            raise FieldError("response_format", f"unknown keys {sorted(set(rf) - {'type'})} for type \"text\"")
+    text = rf is None or rf.get("type") == "text"
+    if text and rf is not None and set(rf) - {"type"}:
+        raise FieldError("response_format", f"unknown keys {sorted(set(rf) - {'type'})} for type \"text\"")
+    # "auto" with tools is constrained where a grammar compiler exists (from the section on); the others must be.
+    if text and choice in ("none", "auto") and (choice == "none" or not spec["tools"] or grammars is None):
         return None
     if grammars is None:
         param = "tool_choice" if choice not in ("none", "auto") else "response_format"
@@ -182,6 +202,7 @@ def _grammar(grammars, spec: dict) -> dict | None:
     except ValueError as e:
         msg = str(e).split("\n")[0]  # llguidance's errors go on to list the whole grammar
         head = msg.split(":")[0]
-        param = head if head.split(".")[0].split("[")[0] in ("response_format", "tool_choice", "tools") else \
+        param = head if head.split(".")[0].split("[")[0] in ("response_format", "tool_choice", "tools",
+                                                             "json_whitespace") else \
             "response_format"
         raise FieldError(param, msg.split(":", 1)[1].strip() if head == param else msg) from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Template variables transformers fills from the tokenizer's special-token map.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+# OpenAI's function-name rule (plus '.'): the name is also written into K2's call ids and into grammars.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -209,6 +212,7 @@ def validate_messages(messages: Any) -> None:
     """Check OpenAI chat messages; ValueError names `messages[i].field`."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
+    call_ids: set[str] = set()  # the ids of the tool calls of the assistant messages so far
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -223,6 +227,10 @@ def validate_messages(messages: Any) -> None:
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
                 raise ValueError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
+            if m["tool_call_id"] not in call_ids:
+                known = ", ".join(sorted(call_ids)) or "none"
+                raise ValueError(f"{where}.tool_call_id: {m['tool_call_id']!r} matches no tool call of an earlier "
+                                 f"assistant message (their ids: {known}); send the id as the call had it")
         tool_calls = m.get("tool_calls")
         if tool_calls is not None:
             if role != "assistant":
@@ -242,6 +250,12 @@ def validate_messages(messages: Any) -> None:
                     raise ValueError(f"{cw}.function.name: required")
                 if not isinstance(f.get("arguments"), (str, dict)):
                     raise ValueError(f"{cw}.function.arguments: must be a JSON string (or an object)")
+                if isinstance(f["arguments"], str):
+                    try:
+                        json.loads(f["arguments"])
+                    except ValueError as e:
+                        raise ValueError(f"{cw}.function.arguments: not JSON ({e}): {f['arguments'][:80]!r}") from None
+                call_ids.add(c["id"])
         elif role in ("system", "developer", "user", "tool") and content is None:
             raise ValueError(f"{where}.content: required for a {role} message")
         elif role == "assistant" and content is None and not tool_calls:
@@ -252,6 +266,7 @@ def validate_tools(tools: Any) -> None:
     """Check OpenAI function tools; ValueError names `tools[i].field`."""
     if not isinstance(tools, list):
         raise ValueError("tools: must be a list")
+    names: dict[str, int] = {}
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(t, dict):
@@ -261,5 +276,12 @@ def validate_tools(tools: Any) -> None:
         f = t.get("function")
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
             raise ValueError(f"{where}.function.name: required")
+        if not FUNCTION_NAME.fullmatch(f["name"]):
+            raise ValueError(f"{where}.function.name: {f['name']!r} must match {FUNCTION_NAME.pattern} (letters, "
+                             f"digits, _ . -, at most 64)")
+        if f["name"] in names:
+            raise ValueError(f"{where}.function.name: {f['name']!r} is also the name of tools[{names[f['name']]}]; "
+                             f"tool names must be unique")
+        names[f["name"]] = i
         if "parameters" in f and not isinstance(f["parameters"], dict):
             raise ValueError(f"{where}.function.parameters: must be a JSON schema object")

@@ -24,6 +24,7 @@ from k2jax.runtime.engine import SamplingParams
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_STOP = 4  # stop strings, as OpenAI
 SEED_MOD = 2**63
 GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: distinct choices get distinct seeds mod 2^32 too
 
@@ -233,7 +234,9 @@ def parse_chat(body: dict, tok, limits: Limits, template: ChatTemplate | None = 
     params = sampling(body, len(setup.prompt), tok, limits, chat=True, logprobs=(top or 0) if want else None)
     # A parsed output is detokenized with special-token names (the parsers read the markers; the setup hides
     # them again as the client asked).
-    params = dataclasses.replace(params, grammar=setup.grammar,
+    # The grammar also gets the budget (a section of parallel calls closes within max_tokens).
+    grammar = None if setup.grammar is None else {**setup.grammar, "max_tokens": params.max_tokens}
+    params = dataclasses.replace(params, grammar=grammar,
                                  skip_special_tokens=params.skip_special_tokens and not setup.parses)
     job = Job([setup.prompt], [None], [params], n, chat_logprobs=True, chat=setup, **stream_options(body))
     check_choices(job, limits)
@@ -287,6 +290,8 @@ def sampling(body, n_prompt, tok, limits: Limits, chat: bool, logprobs: int | No
         raise BadRequest("stop: expected a string or a list of strings", "stop")
     if any(s == "" for s in stop):
         raise BadRequest("stop: empty stop strings are not allowed", "stop")
+    if len(stop) > MAX_STOP:
+        raise BadRequest(f"stop: at most {MAX_STOP} stop strings (OpenAI's limit), got {len(stop)}", "stop")
     stop_ids = token_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits.vocab_size)
     if not flag(body, "ignore_eos") and tok is not None:
         stop_ids = stop_ids + [t for t in (tok.stop_ids if chat else [tok.eos_id]) if t not in stop_ids]

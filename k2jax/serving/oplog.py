@@ -72,15 +72,21 @@ def _message(body: bytes) -> str:
 
 async def stats_loop(metrics, interval_s: float, logger: logging.Logger | None = None) -> None:
     """Every interval_s, while requests run or wait (or tokens flowed since the last line): running,
-    waiting, prompt and generation tokens/s over the interval, and the cache in use."""
+    waiting, prompt tokens/s prefilled and served from the prefix cache, generation tokens/s, over the
+    interval, and the cache in use."""
     log = logger or logging.getLogger(LOGGER)
-    last = (time.perf_counter(), metrics.prompt_tokens, metrics.generation_tokens)
+
+    def counts():
+        return time.perf_counter(), metrics.prompt_prefilled, metrics.cached_prompt_tokens, metrics.generation_tokens
+
+    last = counts()
     while True:
         await asyncio.sleep(interval_s)
-        now, p, g = time.perf_counter(), metrics.prompt_tokens, metrics.generation_tokens
-        dt = max(now - last[0], 1e-9)
-        if metrics.slots_in_use or metrics.queue_depth or p != last[1] or g != last[2]:
-            log.info(f"stats: running {metrics.slots_in_use}, waiting {metrics.queue_depth}, prompt "
-                     f"{(p - last[1]) / dt:.1f} tokens/s, generation {(g - last[2]) / dt:.1f} tokens/s, cache "
-                     f"{100 * metrics.cache_usage:.1f}% in use ({metrics.slots_in_use}/{metrics.max_batch} slots)")
-        last = (now, p, g)
+        now = counts()
+        dt = max(now[0] - last[0], 1e-9)
+        p, c, g = ((a - b) / dt for a, b in zip(now[1:], last[1:]))
+        if metrics.slots_in_use or metrics.queue_depth or now[1:] != last[1:]:
+            log.info(f"stats: running {metrics.slots_in_use}, waiting {metrics.queue_depth}, prompt {p:.1f} tokens/s "
+                     f"(+{c:.1f} cached), generation {g:.1f} tokens/s, cache {100 * metrics.cache_usage:.1f}% in "
+                     f"use ({metrics.slots_in_use}/{metrics.max_batch} slots)")
+        last = now

@@ -6,8 +6,9 @@ request), run the engine loop in its own thread and the HTTP server (uvicorn) in
 - SIGTERM (or SIGINT) drains: new requests get 503, running ones may finish for up to --drain-timeout
   seconds, the rest end with finish_reason "abort" (a streamed one gets its last chunk and [DONE], a whole
   one a JSON 503); then the server stops and exits 0. A second signal aborts at once.
-- Logs ("k2jax.serve", stderr): resolved dtypes at start-up, "compiling k/n" during warm-up, an access line
-  per request and a stats line every --stats-interval seconds while busy (k2jax.serving.oplog).
+- Logs ("k2jax.serve", stderr): resolved dtypes at start-up, "compiling k/n" as each step program begins
+  compiling during warm-up (with the time since it began), an access line per request and a stats line every
+  --stats-interval seconds while busy (k2jax.serving.oplog).
 
 Multi-host (jax.distributed): every process runs the engine loop over the global mesh; process 0 also runs
 HTTP and, each step, broadcasts the requests it admitted and the cancellations (k2jax.serving.multihost),
@@ -104,6 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "With --demo the random weights are quantized so (default none)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "float8"),
                    help="latent cache dtype (auto: the compute dtype); float8 = e4m3 with a per-token scale")
+    p.add_argument("--json-whitespace", default="compact", choices=("compact", "spaced", "any"),
+                   help="JSON whitespace under a grammar (response_format json_object / json_schema and tool-call "
+                        "arguments), outside strings: compact = none (the default: a model left free pads every "
+                        "gap it may); spaced = one optional space after ':' and ','; any = any JSON whitespace, at "
+                        "most 16 characters per gap. A request may choose with \"json_whitespace\"")
     p.add_argument("--seed", type=int, default=0, help="seed of --demo's random weights (default 0)")
     p.add_argument("--api-key", default=os.environ.get("K2JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on the API (/health, /metrics and /version stay open); "
@@ -180,7 +186,7 @@ def chat_template(args):
     return ChatTemplate.from_tokenizer_dir(tokenizer_dir(args.tokenizer) if args.tokenizer else None, args.chat_template)
 
 
-def _grammars(tok, cfg):
+def _grammars(tok, cfg, whitespace: str = "compact"):
     """The structured-output compiler for this tokenizer and model (None without a tokenizer). Built once per
     server and shared by the engine (per-request matchers) and the API (a request's grammar is compiled, and
     cached, when it is parsed); its vocabulary view of the tokenizer is the costly part."""
@@ -191,7 +197,7 @@ def _grammars(tok, cfg):
     if cfg.vocab_size < tok.vocab_size:
         raise ValueError(f"--tokenizer: {tok.vocab_size} ids, more than the model's vocab_size {cfg.vocab_size}: "
                          f"not this model's tokenizer")
-    return GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size))
+    return GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size), whitespace=whitespace)
 
 
 def _name(path) -> str:
@@ -345,14 +351,19 @@ def _run(args, sock) -> int:
                     detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
-                    grammars=_grammars(tok, model.cfg), idle_chunk=args.idle_prefill_chunk,
+                    grammars=_grammars(tok, model.cfg, args.json_whitespace), idle_chunk=args.idle_prefill_chunk,
                     stall_bound=not args.fixed_chunks)
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
-    _check_map_count(len(engine.sched.shapes()), log)
-    compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what}"))
+    programs = len(set(engine.sched.shapes()))
+    _check_map_count(programs, log)
+    log.info(f"warming up: tracing and compiling {programs} step programs, several at a time (a line as each "
+             f"begins), then timing the steps")
+    t_warm = time.perf_counter()
+    compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what} (at "
+                                                           f"{time.perf_counter() - t_warm:.1f} s)"), log.info)
     budget = engine.sched.stall_budget_s()
     bound = "" if budget is None else f", cut to a first chunk's {budget * 1e3:.0f} ms a step"
     log.info(f"compiled {'and timed ' if bound else ''}the engine steps in {compile_s:.1f} s (prefill chunks of up to "

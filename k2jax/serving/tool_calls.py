@@ -12,10 +12,14 @@ marker out in ordinary characters, which is then read as a marker (vLLM and SGLa
 
 Per section: every call must be `<|tool_call_begin|> ID <|tool_call_argument_begin|> ARGS <|tool_call_end|>`
 with only whitespace between the pieces; ID is `functions.NAME:IDX` (or `NAME:IDX`), kept verbatim as the
-OpenAI id; NAME is the part between `functions.` and the last `:`; ARGS (whitespace-stripped) must be a JSON
-object and is passed on as written. A section that breaks any of that, holds no call, or never ends (cut by
-max_tokens) stays in the text as plain content, markers included (a caller that hides special tokens strips
-them afterwards). Text before and after a section is content. The singular `<|tool_call_section_begin|>` /
+OpenAI id (as vLLM's kimi_k2 parser keeps it); NAME is the part between `functions.` and the last `:`; ARGS
+(whitespace-stripped) must be a JSON object and is passed on as written. Ids stay unique within a response: an
+id the response already used gets IDX = 1 + the largest IDX used so far in it (logged), since a client matches
+tool results to calls by id. (Under a grammar the ids are right by construction: k2jax.serving.grammar.)
+A section that breaks any of that, or holds no call, stays in the text as plain content, markers included (a
+caller that hides special tokens strips them afterwards); so does a section that never ends (cut by
+max_tokens), unless `drop_cut` (a forced call cut by max_tokens: its partial section is dropped, not shown as
+content). Text before and after a section is content. The singular `<|tool_call_section_begin|>` /
 `..._end|>` spelling, seen in the wild, is accepted too.
 
 Streaming releases a section's calls when its end marker arrives (header delta, then one arguments delta per
@@ -27,9 +31,11 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 
 from k2jax.serving.deltas import Delta, ToolCallDelta, tool_call
+from k2jax.serving.oplog import LOGGER
 
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -51,8 +57,28 @@ def parse_call_id(call_id: str) -> str | None:
     return m.group("name")
 
 
-def parse_section_body(body: str) -> list[dict] | None:
-    """The calls between a section's begin and end markers, or None if any part is malformed."""
+class UniqueIds:
+    """The call ids of one response, kept unique (see the module doc)."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+        self.top = -1  # the largest IDX used so far
+
+    def take(self, call_id: str) -> str:
+        """call_id (a well-formed K2 id), or its renumbered form if this response already used it."""
+        head, _, idx = call_id.rpartition(":")
+        if call_id in self.seen:
+            new = f"{head}:{self.top + 1}"
+            logging.getLogger(LOGGER).warning(f"tool call id {call_id!r} repeated in one response: renamed {new!r}")
+            call_id, idx = new, self.top + 1
+        self.seen.add(call_id)
+        self.top = max(self.top, int(idx))
+        return call_id
+
+
+def parse_section_body(body: str, ids: UniqueIds | None = None) -> list[dict] | None:
+    """The calls between a section's begin and end markers, or None if any part is malformed. `ids`: the
+    response's ids so far (a repeated one is renamed)."""
     calls, pos = [], 0
     while body[pos:].strip():
         m = _CALL.match(body, pos)
@@ -67,9 +93,12 @@ def parse_section_body(body: str) -> list[dict] | None:
                 return None
         except ValueError:
             return None
-        calls.append(tool_call(call_id, name, args))
+        calls.append((call_id, name, args))
         pos = m.end()
-    return calls or None
+    if not calls:
+        return None
+    ids = ids or UniqueIds()
+    return [tool_call(ids.take(call_id), name, args) for call_id, name, args in calls]
 
 
 def _find_first(text: str, needles, start: int = 0) -> tuple[int, str | None]:
@@ -82,10 +111,11 @@ def _find_first(text: str, needles, start: int = 0) -> tuple[int, str | None]:
     return best, which
 
 
-def parse(text: str) -> tuple[str | None, list[dict]]:
+def parse(text: str, drop_cut: bool = False) -> tuple[str | None, list[dict]]:
     """Whole output text -> (content, tool_calls). content is None when it is empty and calls were parsed;
-    otherwise the text outside well-formed sections (malformed/cut sections included verbatim)."""
-    content, calls, pos = [], [], 0
+    otherwise the text outside well-formed sections (malformed sections included verbatim, and a cut one
+    unless drop_cut)."""
+    content, calls, pos, ids = [], [], 0, UniqueIds()
     while True:
         begin, marker = _find_first(text, SECTION_BEGIN, pos)
         if begin < 0:
@@ -94,10 +124,10 @@ def parse(text: str) -> tuple[str | None, list[dict]]:
         content.append(text[pos:begin])
         body_start = begin + len(marker)
         end, end_marker = _find_first(text, SECTION_END, body_start)
-        if end < 0:  # cut off: the rest is plain content
-            content.append(text[begin:])
+        if end < 0:  # cut off: the rest is plain content (or dropped)
+            content.append("" if drop_cut else text[begin:])
             break
-        section = parse_section_body(text[body_start:end])
+        section = parse_section_body(text[body_start:end], ids)
         if section is None:
             content.append(text[begin:end + len(end_marker)])
         else:
@@ -131,10 +161,12 @@ class ToolCallStream:
     """Incremental `parse`: feed text pieces, get Deltas; the deltas of feed()s plus finish(), assembled,
     equal parse() of the whole text (see the module doc for when calls are released)."""
 
-    def __init__(self):
+    def __init__(self, drop_cut: bool = False):
         self._buf = ""
         self._in_section = False
         self._next_index = 0
+        self._drop_cut = drop_cut
+        self._ids = UniqueIds()
         self.tool_calls: list[dict] = []  # every call released so far (for finish_reason)
 
     def feed(self, text: str) -> list[Delta]:
@@ -156,7 +188,7 @@ class ToolCallStream:
             if end < 0:
                 return out
             stop = end + len(end_marker)
-            calls = parse_section_body(self._buf[len(marker):end])
+            calls = parse_section_body(self._buf[len(marker):end], self._ids)
             if calls is None:
                 self._content(out, self._buf[:stop])
             else:
@@ -170,9 +202,10 @@ class ToolCallStream:
             self._buf, self._in_section = self._buf[stop:], False
 
     def finish(self) -> list[Delta]:
-        """End of output: whatever is held (a marker prefix, or a section that never ended) is content."""
+        """End of output: whatever is held (a marker prefix, or a section that never ended) is content; a
+        section that never ended is dropped instead when drop_cut."""
         out: list[Delta] = []
-        self._content(out, self._buf)
+        self._content(out, "" if self._in_section and self._drop_cut else self._buf)
         self._buf, self._in_section = "", False
         return out
 
