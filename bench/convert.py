@@ -21,8 +21,10 @@ a disk that reads faster than it writes, its bound is the bytes moved, so the ta
 written) per second against cp's as well.
 
     python bench/convert.py [--dir /tmp/k2jax-bench-convert] [--layers 8] [--experts 64] [--dtype float8]
-                            [--repeat 3] [--baseline DIR] [--workers N] [--no-direct-io] [--emulator]
-    (--layers 8 --experts 64: the bench config's release, 3.2 GB in 7 files; --layers 4: about 1.6 GB)
+                            [--config configs/bench.json] [--repeat 3] [--baseline DIR] [--workers N]
+                            [--no-direct-io] [--emulator]
+    (--layers 8 --experts 64: the wide bench release, 3.2 GB in 7 files; --layers 4: about 1.6 GB; --layers 16:
+    6.5 GB; --config configs/bench.json: the bench config's own release, 0.3 GB of sub-MB tensors)
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ sys.path.insert(0, str(REPO))
 RELEASE_BYTES = 959e9
 
 
-def bench_config(layers: int, experts: int) -> dict:
-    """Kimi K2's shape at 2/7 of its width: tensors of 1-10 MB, like the release's 7168 x 2048 experts."""
+def bench_config(layers: int, experts: int, path: str | None = None) -> dict:
+    """Kimi K2's shape at 2/7 of its width: tensors of 1-10 MB, like the release's 7168 x 2048 experts; or the
+    config at `path` with that many layers and experts."""
+    if path:
+        cfg = json.loads(pathlib.Path(path).read_text())
+        cfg.update(num_hidden_layers=layers, n_routed_experts=experts)
+        return cfg
     cfg = json.loads((REPO / "configs" / "kimi_k2.json").read_text())
     cfg.update(hidden_size=2048, intermediate_size=5120, moe_intermediate_size=1024, num_hidden_layers=layers,
                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=256,
@@ -83,10 +90,14 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/k2jax-bench-convert", help="work directory (source kept for reruns)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--config", metavar="JSON", help="an HF config.json whose release is synthesized instead of the "
+                    "wide one (e.g. configs/bench.json); --layers and --experts still apply")
     ap.add_argument("--dtype", default="float8", choices=("float8", "bfloat16", "float32"))
     ap.add_argument("--repeat", type=int, default=1, help="runs of each, interleaved; medians reported")
     ap.add_argument("--baseline", metavar="DIR", help="another k2jax checkout whose converter is timed beside")
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--out", metavar="DIR", help="where the conversions, cp's copy and the write test go (default: "
+                    "--dir, the source's disk); e.g. /dev/shm to time the reading side alone")
     ap.add_argument("--emulator", action="store_true",
                     help="read the source from a GCS emulator (gcp-storage-emulator, started here) instead of the disk")
     ap.add_argument("--no-direct-io", action="store_true",
@@ -99,7 +110,9 @@ def main() -> None:
 
     work = pathlib.Path(args.dir)
     src = work / "src"
-    cfg_dict = bench_config(args.layers, args.experts)
+    out = pathlib.Path(args.out or work)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = bench_config(args.layers, args.experts, args.config)
     stamp = src / "bench_config.json"
     if not stamp.is_file() or json.loads(stamp.read_text()) != cfg_dict:
         shutil.rmtree(src, ignore_errors=True)
@@ -121,13 +134,13 @@ def main() -> None:
     for rep in range(args.repeat):
         drop_cache(src)
         runs.setdefault("read", []).append(timed([sys.executable, "-c", SEQUENTIAL_READ, source]))
-        copy = work / "cp"
+        copy = out / "cp"
         shutil.rmtree(copy, ignore_errors=True)
         drop_cache(src)
         runs.setdefault("cp", []).append(timed(["cp", "-r", str(src), str(copy)]))
         shutil.rmtree(copy)
         for name, repo in converters.items():
-            dst = work / f"dst-{name}"
+            dst = out / f"dst-{name}"
             shutil.rmtree(dst, ignore_errors=True)
             drop_cache(src)
             cmd = [sys.executable, str(repo / "tools" / "convert" / "convert.py"), source, str(dst), "--quiet"]
@@ -138,19 +151,26 @@ def main() -> None:
                     runs["start-up"] = [timed(cmd + flags, dict(os.environ, PYTHONPATH=str(repo)))]
             if rep < args.repeat - 1:
                 shutil.rmtree(dst)
+        written = out / "sequential-write"
+        write = [sys.executable, "-c", SEQUENTIAL_WRITE, str(written), str(out_bytes)]
+        runs.setdefault("write", []).append(timed(write))
+        written.unlink()
     same = None
     if args.baseline:
-        same = trees_equal(work / "dst-convert", work / "dst-baseline")
+        same = trees_equal(out / "dst-convert", out / "dst-baseline")
     for name in converters:
-        shutil.rmtree(work / f"dst-{name}")
+        shutil.rmtree(out / f"dst-{name}")
 
     med = {k: (statistics.median(r[0] for r in v), max(r[1] for r in v), statistics.median(r[2] for r in v))
            for k, v in runs.items()}
     gb = src_bytes / 1e9
+    t_up, t_cv = med["start-up"][0], med["convert"][0]
+    steady = src_bytes / max(t_cv - t_up, 1e-9)
     t_rd, t_cp = med["read"][0], med["cp"][0]
     print(f"source: {gb:.2f} GB in {nfiles} files ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
           f"hidden {cfg.hidden_size}) on the {'GCS emulator' if args.emulator else 'local disk'}; output "
-          f"{args.dtype}: {out_bytes / 1e9:.2f} GB; {os.cpu_count()} CPUs; medians of {args.repeat} run(s)")
+          f"{args.dtype}: {out_bytes / 1e9:.2f} GB{'' if out == work else f' to {out}'}; {os.cpu_count()} CPUs; "
+          f"medians of {args.repeat} run(s)")
     print(f"{'':18}{'seconds':>9}{'src MB/s':>10}{'vs read':>9}{'vs cp':>7}{'CPU s/GB':>10}"
           f"{'moved GB':>10}{'moved MB/s':>12}{'vs cp':>7}")
     moved_cp = 2 * src_bytes / t_cp
@@ -162,16 +182,21 @@ def main() -> None:
               f"{moved / t / moved_cp:>7.2f}")
 
     row("sequential read", t_rd, None, src_bytes)
+    t_wr = med["write"][0]
+    print(f"{'sequential write':18}{t_wr:>9.2f}{'':>36}{out_bytes / 1e9:>10.2f}{out_bytes / t_wr / 1e6:>12.0f}"
+          f"{out_bytes / t_wr / moved_cp:>7.2f}   (the output's bytes, one file)")
     row("cp -r", t_cp, med["cp"][2], 2 * src_bytes)
     for name in converters:
         row(name if name == "convert" else f"convert {name}", med[name][0], med[name][2], src_bytes + out_bytes)
-    t_up, t_cv = med["start-up"][0], med["convert"][0]
-    steady = src_bytes / max(t_cv - t_up, 1e-9)
     print(f"start-up {t_up:.2f} s (imports, every header and scale read and checked, the model's shapes traced: "
           f"the converter rerun on its finished output), {med['start-up'][2]:.2f} CPU s")
     print(f"after start-up: convert {steady / 1e6:.0f} MB/s = {steady * t_rd / src_bytes:.2f} of the sequential "
           f"read (goal >= 0.70), {steady * t_cp / src_bytes:.2f} of cp; bytes moved "
           f"{(src_bytes + out_bytes) / (t_cv - t_up) / moved_cp:.2f} of cp's")
+    io = src_bytes / (t_rd + t_wr)
+    print(f"I/O alone: reading the source then writing the output's bytes sequentially takes {t_rd + t_wr:.2f} s, "
+          f"a source rate of {io / 1e6:.0f} MB/s = {io * t_rd / src_bytes:.2f} of the sequential read; convert after "
+          f"start-up reaches {steady / io:.2f} of that")
     if args.dtype != "float8":
         print(f"write bound: a {args.dtype} conversion writes {out_bytes / src_bytes:.2f} bytes per byte read (cp: 1), "
               f"so at cp's bytes-moved rate it would read at {moved_cp / (1 + out_bytes / src_bytes) / 1e6:.0f} MB/s "
@@ -210,6 +235,17 @@ else:
             with open(os.path.join(root, n), "rb", buffering=0) as f:
                 while f.read(16 << 20):
                     pass
+"""
+
+
+# Write argv[2] bytes (a 16 MiB random block over and over) to the file argv[1] through the page cache, as cp
+# writes (`timed` syncs after it, as after cp).
+SEQUENTIAL_WRITE = r"""
+import os, sys
+block, left = os.urandom(16 << 20), int(sys.argv[2])
+with open(sys.argv[1], "wb", buffering=0) as f:
+    while left > 0:
+        left -= f.write(block[:min(left, len(block))])
 """
 
 
