@@ -188,6 +188,8 @@ def main() -> None:
     row("cp -r", t_cp, med["cp"][2], 2 * src_bytes)
     for name in converters:
         row(name if name == "convert" else f"convert {name}", med[name][0], med[name][2], src_bytes + out_bytes)
+    if args.repeat > 1:
+        print("each run (s): " + "; ".join(f"{k} {', '.join(f'{r[0]:.2f}' for r in v)}" for k, v in runs.items()))
     print(f"start-up {t_up:.2f} s (imports, every header and scale read and checked, the model's shapes traced: "
           f"the converter rerun on its finished output), {med['start-up'][2]:.2f} CPU s")
     print(f"after start-up: convert {steady / 1e6:.0f} MB/s = {steady * t_rd / src_bytes:.2f} of the sequential "

@@ -44,8 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a Kimi-K2-Thinking checkpoint's INT4 routed experts as stored (packed 4-bit values + bf16 "
                         "scales), the rest bf16. k2jax.load(DST, quant=...) holds them quantized on device")
     p.add_argument("--workers", type=int, default=None,
-                   help="threads converting and writing (default 8: each mostly waits on its O_DIRECT write; two "
-                        "more threads read ahead)")
+                   help="threads converting and writing (default: min(8, 2 x CPUs); two more threads read ahead)")
     p.add_argument("--layers", metavar="A:B", default=None,
                    help="convert only decoder layers A..B-1 (plus embeddings/norm/lm_head when A is 0), e.g. to "
                         "split the work over hosts sharing DST; the last run to finish marks DST complete")
