@@ -251,6 +251,42 @@ def test_dequantize_transposed_is_numpys_dequantize():
             np.testing.assert_array_equal(got.view(bits)[~nan], np.ascontiguousarray(want).view(bits)[~nan])
 
 
+def test_transpose_is_numpys():
+    """fp8.transpose (XLA strips + numpy runs, the rest tile by tile) = np.ascontiguousarray(x.T), bit for bit:
+    e4m3, bf16 and f32, rows not a multiple of the strip height, arrays below and above the XLA threshold."""
+    from k2jax.checkpoint import fp8
+
+    rng = np.random.default_rng(5)
+    for shape in [(1, 1), (3, 517), (131, 257), (300, 1000), (1000, 300), (129, 1031)]:
+        for dtype in (fp8.FP8, np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            x = rng.integers(0, 256, (shape[0], shape[1] * dtype.itemsize), dtype=np.uint8).view(dtype)
+            out = np.empty(shape[::-1], dtype)
+            got = fp8.transpose(x, out)
+            assert got is out
+            np.testing.assert_array_equal(got.view(np.uint8), fp8.transpose_reference(x).view(np.uint8))
+    x = rng.integers(0, 256, (256, 640), dtype=np.uint8)[:, 64:576]  # not contiguous
+    np.testing.assert_array_equal(fp8.transpose(x), fp8.transpose_reference(x))
+
+
+def test_int4_fast_forms_are_the_plain_ones():
+    """int4.to_k2jax (byte transpose + XLA nibble repack) = to_k2jax_reference, and
+    dequantize_packed_int4_transposed = dequantize_packed_int4(...).T, bit for bit, on odd shapes."""
+    from k2jax.checkpoint import int4
+
+    rng = np.random.default_rng(6)
+    for out, inn in [(2, 32), (6, 96), (130, 160), (258, 512), (1026, 288)]:
+        packed = rng.integers(-2**31, 2**31, (out, inn // 8), dtype=np.int64).astype(np.int32)
+        scale = rng.standard_normal((out, inn // 32)).astype(jnp.bfloat16)
+        for got, want in zip(int4.to_k2jax(packed, scale), int4.to_k2jax_reference(packed, scale)):
+            assert got.flags.c_contiguous and got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        for dtype in (np.dtype(jnp.bfloat16), np.dtype(np.float32)):
+            got = int4.dequantize_packed_int4_transposed(packed, scale, dtype)
+            want = np.ascontiguousarray(int4.dequantize_packed_int4(packed, scale, dtype).T)
+            assert got.flags.c_contiguous and got.dtype == want.dtype
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_count_nonfinite_finds_each_one():
     from k2jax.checkpoint import fp8
 

@@ -100,8 +100,9 @@ def quantize_fp8_blocks(w, block=DEFAULT_BLOCK):
 
 # ------------------------------------------------------------------------------------------------------
 # Host fast paths for the converter: HF [out, in] -> k2jax [in, out], C-contiguous.
-STRIP = 32  # rows per strip: 32 x 2 bytes = one 64-byte cache line per transposed run of bf16
-_TILE = 256  # rows of the transposed output per copy: keeps a tile's pages and cache lines in reach
+_TILE = 256  # transpose's numpy tiles (the rows left over): 64 x 256, a tile's lines and pages in reach
+RUN_BYTES = 128  # transpose: bytes of each contiguous run the XLA pass writes (its strips' rows x itemsize)
+_XLA_MIN_BYTES = 1 << 16  # below this a transpose is all numpy (an XLA call costs more than the copy)
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -110,16 +111,44 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 
 def transpose(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """x [R, C] -> x.T as a C-contiguous [C, R] array (`out` when given), copied tile by tile: numpy's own
-    transposing copy reads with a stride of a whole row per element, which for power-of-two widths thrashes
-    the cache (4-8x slower)."""
+    """x [R, C] -> x.T as a C-contiguous [C, R] array (`out` when given), bit for bit; any dtype (moved by its
+    bits). `transpose_reference` is the plain form.
+
+    Two passes that each read and write whole cache lines: one XLA loop turns strips of h rows (h x itemsize =
+    RUN_BYTES) into [R/h, C, h], then numpy moves those h-element runs into place (and the last R % h rows).
+    A transposing copy element by element (numpy's, or XLA's of the whole array) reads a whole row apart per
+    element; for the release's power-of-two widths those rows fall into the same cache sets, and a 1-byte
+    (e4m3) transpose runs at 0.2-0.4 GB/s against 2-3 GB/s for this.
+    """
     R, C = x.shape
     out = np.empty((C, R), x.dtype) if out is None else out
+    if out.shape != (C, R) or out.dtype != x.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"transpose: out {out.shape} {out.dtype} is not a C-contiguous {(C, R)} {x.dtype}")
     src, dst = _bits(x), _bits(out)
-    for r in range(0, R, 2 * STRIP):
+    h = max(1, RUN_BYTES // x.dtype.itemsize)
+    q = R // h * h if x.nbytes >= _XLA_MIN_BYTES else 0
+    if q:
+        strips = np.asarray(_strips(np.ascontiguousarray(src[:q]), h))  # [q/h, C, h]
+        runs = dst[:, :q]
+        np.copyto(np.lib.stride_tricks.as_strided(runs, (C, q // h, h), (runs.strides[0], h * runs.strides[1],
+                                                                         runs.strides[1])),
+                  strips.transpose(1, 0, 2))
+    for r in range(q, R, 64):  # the rest (all of a small array), tile by tile
         for c in range(0, C, _TILE):
-            dst[c:c + _TILE, r:r + 2 * STRIP] = src[r:r + 2 * STRIP, c:c + _TILE].T
+            dst[c:c + _TILE, r:r + 64] = src[r:r + 64, c:c + _TILE].T
     return out
+
+
+def transpose_reference(x: np.ndarray) -> np.ndarray:
+    """The plain form of `transpose`."""
+    return np.ascontiguousarray(x.T)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _strips(x, h):
+    """[R, C] -> [R/h, C, h]: each strip of h rows transposed (unsigned ints: XLA moves them as they are)."""
+    R, C = x.shape
+    return x.reshape(R // h, h, C).transpose(0, 2, 1)
 
 
 def count_nonfinite(x: np.ndarray) -> int:
@@ -161,47 +190,39 @@ def _count_nonfinite(x: np.ndarray) -> int:
 
 
 def dequantize_fp8_transposed(w_OI: np.ndarray, scale: np.ndarray, block=DEFAULT_BLOCK, dtype=np.float32,
-                          out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+                              out: np.ndarray | None = None, tmp: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """fp8 [out, in] with block scales -> (dtype [in, out] C-contiguous, into `out` (C-contiguous) when given;
     count of non-finite values): `dequantize_fp8_blocks(w, scale, block, float32).astype(dtype).T`, bit for bit.
 
-    One XLA loop on the host decodes (by bits), scales and rounds, writing strips of STRIP rows already
-    transposed ([out / STRIP, in, STRIP]); numpy then moves those STRIP-element runs into place, tile by
-    tile. Each pass reads and writes memory in cache-line runs: 2-4x faster than one fused XLA loop that
-    decodes and transposes. The count is of NaN bytes in the data (the only way a finite positive scale
-    yields a non-finite value), or of the output's non-finite values where a scale is large enough to
-    overflow.
+    The e4m3 bytes are transposed first (`transpose`, into `tmp` (uint8 [in, out]) when given: one byte per
+    element moved, not the output's two or four), then one XLA loop decodes (by bits), scales and rounds in the
+    output's own order, contiguous and vectorised; its result is copied into `out`. Each element's arithmetic is
+    the same, so the bits are. The count is of NaN bytes in the data (the only way a finite positive scale yields
+    a non-finite value), or of the output's non-finite values where a scale is large enough to overflow.
     """
     O, I = w_OI.shape
-    h = math.gcd(O, STRIP)
     dtype = np.dtype(dtype)
     scale = scale.astype(np.float32, copy=False)
     if tuple(scale.shape) != scale_shape(w_OI.shape, block):
         raise ValueError(f"dequantize_fp8_transposed: scale_inv shape {tuple(scale.shape)} does not match weight "
                          f"{tuple(w_OI.shape)} with block {tuple(block)}")
-    y = _bits(np.asarray(_dequantize_strips()(w_OI.view(np.uint8), scale, tuple(block), dtype, h)))  # [O/h,I,h]
+    u_IO = transpose(w_OI.view(np.uint8), tmp)
+    y = np.asarray(_dequantize_transposed(u_IO, np.ascontiguousarray(scale.T), tuple(block), dtype))
     out = np.empty((I, O), dtype) if out is None else out
-    dst, src = _bits(out).reshape(I, O // h, h), y.transpose(1, 0, 2)
-    g = max(1, 16 * STRIP // h)  # strips per copy
-    for c in range(0, I, _TILE):
-        for k in range(0, O // h, g):
-            np.copyto(dst[c:c + _TILE, k:k + g], src[c:c + _TILE, k:k + g])
+    np.copyto(_bits(out), _bits(y))
     if float(np.max(scale, initial=0.0)) * FP8_MAX < 2.0 ** 127:
         return out, count_nonfinite(w_OI)
     return out, count_nonfinite(out)  # NaN scales (excluded by the loader's checks) land here too
 
 
-@functools.cache
-def _dequantize_strips():
-    def f(u, s, block, dtype, h):
-        out, inn = u.shape
-        x = _pad_to_blocks(jnp, _e4m3_to_f32(u), block)
-        ob, ib = s.shape[-2:]
-        x = x.reshape(ob, block[0], ib, block[1]) * s[:, None, :, None]
-        x = x.reshape(ob * block[0], ib * block[1])[:out, :inn].astype(dtype)
-        return x.reshape(out // h, h, inn).transpose(0, 2, 1)
-
-    return jax.jit(f, static_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _dequantize_transposed(u_IO, s_IO, block, dtype):
+    """e4m3 bytes [in, out] (the weight transposed), its block scales transposed [in/bi, out/bo] -> dtype [in, out]."""
+    inn, out = u_IO.shape
+    x = _pad_to_blocks(jnp, _e4m3_to_f32(u_IO), block[::-1])
+    ib, ob = s_IO.shape
+    x = x.reshape(ib, block[1], ob, block[0]) * s_IO[:, None, :, None]
+    return x.reshape(ib * block[1], ob * block[0])[:inn, :out].astype(dtype)
 
 
 def _e4m3_to_f32(u):

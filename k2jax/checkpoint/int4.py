@@ -20,11 +20,15 @@ does not implement (other bit widths, asymmetric or dynamic schemes, activation 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from k2jax.checkpoint.fp8 import transpose
 from k2jax.ops.quant import quantize_weight
 from k2jax.quant_policy import FORMATS
 
@@ -138,7 +142,50 @@ def dequantize_packed_int4(packed: np.ndarray, scale: np.ndarray, dtype=np.float
 
 def to_k2jax(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """HF (packed int32 [out, in/8], scale [out, in/32]) -> QuantizedWeight's (values uint8 [in, out/2], two
-    values per byte along out, low nibble first; scales bf16 [in/32, out]): the same 4-bit values."""
+    values per byte along out, low nibble first; scales bf16 [in/32, out]): the same 4-bit values.
+
+    The packed bytes (two inputs each) are transposed as bytes (fp8.transpose), then one XLA loop swaps the
+    nibbles of each pair of output rows, contiguous along the output; `to_k2jax_reference` is the plain form."""
+    out = packed.shape[0]
+    if out % 2:
+        raise ValueError(f"INT4 on device packs two values per byte along the output dim: {out} is odd")
+    values = np.asarray(_repack_nibbles(transpose(_packed_bytes(packed))))
+    return values, transpose(np.ascontiguousarray(scale).astype(BF16, copy=False))
+
+
+def dequantize_packed_int4_transposed(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """`dequantize_packed_int4(packed, scale, dtype).T`, C-contiguous [in, out], bit for bit: the packed bytes
+    and the scales transposed first, then the products in the output's order (contiguous, vectorised)."""
+    bt = transpose(_packed_bytes(packed))  # [in/2, out]
+    s = transpose(np.ascontiguousarray(scale).astype(BF16, copy=False))  # [in/32, out]
+    return np.asarray(_dequantize_transposed(bt, s, np.dtype(dtype)))
+
+
+def _packed_bytes(packed: np.ndarray) -> np.ndarray:
+    """int32 [out, in/8] -> its bytes [out, in/2], each two inputs (the lower one in the low nibble)."""
+    return np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8)
+
+
+@jax.jit
+def _repack_nibbles(bt):
+    """Bytes [in/2, out] (inputs 2j, 2j+1 per byte) -> [in, out/2] (outputs 2k, 2k+1 per byte)."""
+    half, out = bt.shape
+    lo, hi = bt[:, 0::2], bt[:, 1::2]  # outputs 2k, 2k+1
+    even, odd = (lo & 0xF) | (hi << 4), (lo >> 4) | (hi & 0xF0)  # input 2j, input 2j + 1
+    return jnp.stack([even, odd], axis=1).reshape(2 * half, out // 2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantize_transposed(bt, s, dtype):
+    """Bytes [in/2, out], bf16 scales [in/32, out] -> (nibble - 8) * scale in float32, cast once: [in, out]."""
+    half, out = bt.shape
+    q = jnp.stack([bt & 0xF, bt >> 4], axis=1).reshape(2 * half, out).astype(jnp.float32) - 8.0
+    w = q.reshape(-1, GROUP, out) * s.astype(jnp.float32)[:, None, :]
+    return w.reshape(2 * half, out).astype(dtype)
+
+
+def to_k2jax_reference(packed: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The plain form of `to_k2jax`."""
     n = unpack_words(packed).T  # [in, out]
     if n.shape[-1] % 2:
         raise ValueError(f"INT4 on device packs two values per byte along the output dim: {n.shape[-1]} is odd")

@@ -48,6 +48,9 @@ DTYPES: dict[str, np.dtype] = {
 
 # O_DIRECT: buffer address, file offset and length in multiples of this (covers 512 B and 4 KiB sectors).
 ALIGN = 4096
+# Smaller tensors (FP8 scales, norms) are read through the page cache even with direct=True: a disk request
+# each would cost more than the copy, and the scales the verification read are still there for the conversion.
+DIRECT_MIN_BYTES = 256 << 10
 
 if sys.byteorder != "little":  # bfloat16 / float8 have no byte-swapped numpy dtypes
     raise ImportError("k2jax.checkpoint.safetensors_io needs a little-endian host")
@@ -110,6 +113,21 @@ class Scratch:
         dtype = np.dtype(dtype)
         n = math.prod(shape) * dtype.itemsize
         return self.get(purpose, n)[:n].view(dtype).reshape(shape)
+
+
+class Lent(Scratch):
+    """A Scratch that hands out one given buffer (uint8, aligned, at least `read_size` bytes) for every purpose:
+    `read(name, Lent(buf))` fills buf (the converter's reads go into buffers it lends and takes back)."""
+
+    def __init__(self, buf: np.ndarray):
+        super().__init__()
+        self.buf = buf
+
+    def get(self, purpose: str, nbytes: int) -> np.ndarray:
+        n = -(-nbytes // ALIGN) * ALIGN
+        if n > self.buf.nbytes:
+            raise ValueError(f"Lent: {nbytes} bytes asked of a buffer of {self.buf.nbytes}")
+        return self.buf[:n]
 
 
 def _no_duplicate_keys(pairs):
@@ -230,12 +248,20 @@ class SafetensorsFile:
             shape, begin, end = (rows[1] - rows[0], *shape[1:]), begin + rows[0] * row, begin + rows[1] * row
         return info, shape, begin, end
 
+    def read_size(self, name: str, rows: tuple[int, int] | None = None) -> int:
+        """Bytes `read(name, scratch, rows)` takes from its scratch (an O_DIRECT read: the aligned span around
+        the data, whole blocks)."""
+        _, _, begin, end = self.span(name, rows)
+        if not self._direct or end - begin < DIRECT_MIN_BYTES:
+            return end - begin
+        return -(-(end - (begin - begin % ALIGN)) // ALIGN) * ALIGN
+
     def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor `name` (or its rows [a, b) when rows=(a, b): a contiguous part) as a writable numpy array
         (bf16/fp8 as ml_dtypes types): a fresh one, or with `scratch` a view of its "read" buffer (valid until
         this thread's next read with it)."""
         info, shape, begin, end = self.span(name, rows)
-        if not self._direct or end == begin:
+        if not self._direct or end - begin < DIRECT_MIN_BYTES:
             arr = np.empty(shape, info.np_dtype) if scratch is None else scratch.array("read", shape, info.np_dtype)
             if end > begin:
                 self._pread(end - begin, begin, memoryview(arr.reshape(-1).view(np.uint8)))
@@ -434,6 +460,10 @@ class Checkpoint:
 
     def file_of(self, name: str) -> str:
         return self._base(self.tensors[name].file)
+
+    def read_size(self, name: str, rows: tuple[int, int] | None = None) -> int:
+        """Bytes a `read` of the tensor (or its rows) takes from its scratch (see SafetensorsFile.read_size)."""
+        return self.files[self.file_of(name)].read_size(name, rows)
 
     def read(self, name: str, scratch: Scratch | None = None, rows: tuple[int, int] | None = None) -> np.ndarray:
         """One tensor (or some of its rows) as numpy (thread-safe; see SafetensorsFile.read)."""

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a Kimi-K2-Thinking checkpoint's INT4 routed experts as stored (packed 4-bit values + bf16 "
                         "scales), the rest bf16. k2jax.load(DST, quant=...) holds them quantized on device")
     p.add_argument("--workers", type=int, default=None,
-                   help="threads reading, dequantizing and writing (default: min(8, 2 x CPUs))")
+                   help="threads converting and writing (default: min(8, 2 x CPUs); two more threads read ahead)")
     p.add_argument("--layers", metavar="A:B", default=None,
                    help="convert only decoder layers A..B-1 (plus embeddings/norm/lm_head when A is 0), e.g. to "
                         "split the work over hosts sharing DST; the last run to finish marks DST complete")
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace, prog: str = "k2jax convert") -> int:
     quiet = args.quiet
     log = (lambda *a, **k: None) if quiet else (lambda *a, **k: print(*a, file=sys.stderr, **k))
     try:
-        if distributed.initialize_from_args(args) and not distributed.is_main():  # one progress bar and report: process 0's
+        # one progress bar and report: process 0's
+        if distributed.initialize_from_args(args) and not distributed.is_main():
             quiet, log = True, (lambda *a, **k: None)
         stats = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, layers=args.layers,
                         overwrite=args.overwrite, quiet=quiet, log=log, direct_io=args.direct_io,

@@ -1,15 +1,17 @@
-"""Per-tensor work: read one HF tensor, check its data, dequantize it or keep it quantized, re-layout it into
-k2jax's einsum layout, and write it into its (layer, expert) slot of the stacked array.
+"""Per-tensor work, in two steps the pool runs on different threads: `read` one piece of an HF tensor (all of a
+small one, rows of whole chunks of a big one) into a buffer the pool lends; `convert` it: check its data,
+dequantize it or keep it quantized, re-layout it into k2jax's einsum layout, and write it into its (layer,
+expert) slot of the stacked array.
 
-Speed: the CPU is the limit, not the disk. The FP8 weights are dequantized and transposed in cache-friendly
-passes (fp8.dequantize_fp8_transposed), fresh memory is avoided (each fresh page is a fault: buffers are reused
-per thread), and a big tensor goes in pieces of whole chunks (rows of the source), so its buffers are reused
-like everyone else's.
+Speed: the transposes move whole cache lines (fp8.transpose, fp8.dequantize_fp8_transposed), fresh memory is
+avoided (each fresh page is a fault: buffers are reused per thread, and the pool reuses its read buffers), and
+a big tensor goes in pieces of whole chunks, so its buffers are reused like everyone else's.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,16 +21,33 @@ from k2jax.checkpoint.fp8 import count_nonfinite, dequantize_fp8_blocks, dequant
 from k2jax.checkpoint.hf_validate import Source
 from k2jax.checkpoint.names import Relayout, slot_shape
 from k2jax.checkpoint.orbax_layout import CONVERSIONS, DTYPES, leaf_name
-from k2jax.checkpoint.safetensors_io import Checkpoint, Scratch
+from k2jax.checkpoint.safetensors_io import Checkpoint, Lent, Scratch
 from k2jax.config import K2Config
 from k2jax.quant_policy import quantized_layout
 
 PIECE_BYTES = 64 << 20  # a big tensor is converted in pieces of about this much output (whole chunks)
 
 
+class Piece(NamedTuple):
+    """Rows [a, b) of a source tensor's stored data (None: all of it), converted and written on their own."""
+
+    source: Source
+    rows: tuple[int, int] | None
+    last: bool  # the tensor's last piece (a float8 conversion writes the scales with it)
+
+
+class Loaded(NamedTuple):
+    """A piece as read: its data (a view of the lent buffer), and the scales it is converted with."""
+
+    piece: Piece
+    raw: np.ndarray
+    scale: np.ndarray | None
+
+
 class TensorConverter:
-    """Converts one source tensor per call (thread-safe: each thread has its own buffers), into the arrays
-    `leaves` (stored name -> spec, see orbax_layout.leaf_specs) of a `dtype` conversion at `dst`."""
+    """Reads and converts the pieces of source tensors into the arrays `leaves` (stored name -> spec, see
+    orbax_layout.leaf_specs) of a `dtype` conversion at `dst`; thread-safe (each converting thread has its own
+    buffers, each read fills the buffer it is given)."""
 
     def __init__(self, cfg: K2Config, ckpt: Checkpoint, dst, dtype: str, block, leaves: dict,
                  direct: bool):
@@ -44,42 +63,66 @@ class TensorConverter:
         """Whether this conversion stores the tensor's param quantized (as QuantizedWeight values and scales)."""
         return self.quant is not None and quantized_layout(src.target.leaf, self.quant) is not None
 
-    def __call__(self, src: Source) -> str | None:
-        """Convert one tensor; -> a problem found in its data (nothing written, or for a tensor in pieces
-        nothing after the piece it is in; its unit is not marked done either way), or None."""
-        t, ckpt = src.target, self.ckpt
+    def pieces(self, src: Source) -> list[Piece]:
+        """The pieces `src` is read and converted in (one, unless it is big: see `_pieces`)."""
+        if src.dtype == "INT4":
+            return [Piece(src, None, True)]
+        t = src.target
+        shape = self.ckpt.tensors[t.name].shape
+        name = leaf_name(t.leaf) + (".values" if self.held(src) else "")
+        dequantize = src.scale is not None and not self.held(src)
+        rows = self._pieces(name, shape, slot_shape(t, self.cfg), self._transposed(src, shape), dequantize)
+        return [Piece(src, r if shape else None, k == len(rows) - 1) for k, r in enumerate(rows)]
+
+    def read_size(self, piece: Piece) -> int:
+        """Bytes of the buffer `read(piece, buf)` needs."""
+        src = piece.source
+        return self.ckpt.read_size(src.packed) if src.dtype == "INT4" else \
+            self.ckpt.read_size(src.target.name, piece.rows)
+
+    def read(self, piece: Piece, buf: np.ndarray) -> Loaded:
+        """Read a piece's data into `buf` (aligned uint8 of at least read_size(piece) bytes), and its scales."""
+        src = piece.source
+        name = src.packed if src.dtype == "INT4" else src.target.name
+        raw = self.ckpt.read(name, Lent(buf), piece.rows)
+        return Loaded(piece, raw, None if src.scale is None else self.ckpt.read(src.scale))
+
+    def convert(self, loaded: Loaded) -> int:
+        """Convert and write a piece read by `read`; -> the count of NaN/inf values in its data (nothing of the
+        piece written then, and its unit never marked done: see `problem`)."""
+        (src, rows, last), raw, scale = loaded
+        t = src.target
         name, held = leaf_name(t.leaf), self.held(src)
         values = name + ".values" if held else name
         if src.dtype == "INT4":  # pack-quantized (values 0..15 cannot be NaN; the scales were checked)
-            packed, scale = ckpt.read(src.packed), ckpt.read(src.scale)
             if held:  # as stored: the same 4-bit values, repacked along the output dim
-                v, s = int4_format.to_k2jax(packed, scale)
+                v, s = int4_format.to_k2jax(raw, scale)
                 self.writer.write(values, t.index, v, self.scratch)
                 self.writer.write(name + ".scales", t.index, s, self.scratch)
             else:
-                x = int4_format.dequantize_packed_int4(packed, scale, self.leaf_dtype[name])
-                self.writer.write(name, t.index, transpose(x), self.scratch)
-            return None
-        shape = ckpt.tensors[t.name].shape
-        slot = slot_shape(t, self.cfg)
-        transposed = t.transform.forward is Relayout.TRANSPOSE.forward and len(shape) == 2  # all of the TRANSPOSE_*
-        scale = None if src.scale is None else ckpt.read(src.scale)
-        dequantize = scale is not None and not held
-        pieces = self._pieces(values, shape, slot, transposed, dequantize)
-        bad = 0
-        for rows in pieces:
-            n, x = self._convert_rows(src, values, rows, transposed, scale if dequantize else None)
-            bad += n
-            if not bad:
-                whole = len(pieces) == 1
-                start = None if whole else (0, rows[0]) if transposed else (rows[0], 0)
-                self.writer.write(values, t.index, x.reshape(slot) if whole else x, self.scratch, start)
+                x = int4_format.dequantize_packed_int4_transposed(raw, scale, self.leaf_dtype[name])
+                self.writer.write(name, t.index, x, self.scratch)
+            return 0
+        shape = self.ckpt.tensors[t.name].shape
+        transposed, dequantize = self._transposed(src, shape), scale is not None and not held
+        bad, x = self._convert_rows(src, values, raw, rows, transposed, scale if dequantize else None)
         if bad:
-            return f"{t.name!r} ({ckpt.file_of(t.name)}): {bad} NaN/inf value(s) in the data"
-        if held:  # float8: e4m3 as stored, its block scales transposed like the weight
+            return bad
+        whole = rows is None or rows == (0, shape[0])
+        start = None if whole else (0, rows[0]) if transposed else (rows[0], 0)
+        self.writer.write(values, t.index, x.reshape(slot_shape(t, self.cfg)) if whole else x, self.scratch, start)
+        if held and last:  # float8: e4m3 as stored, its block scales transposed like the weight
             self.writer.write(name + ".scales", t.index, np.ascontiguousarray(scale.astype(np.float32).T),
                               self.scratch)
-        return None
+        return 0
+
+    def problem(self, src: Source, bad: int) -> str:
+        """The message for `bad` NaN/inf values found in a tensor's data."""
+        return f"{src.target.name!r} ({self.ckpt.file_of(src.stored)}): {bad} NaN/inf value(s) in the data"
+
+    @staticmethod
+    def _transposed(src: Source, shape) -> bool:
+        return src.target.transform.forward is Relayout.TRANSPOSE.forward and len(shape) == 2  # the TRANSPOSE_*
 
     def _pieces(self, name, shape, slot, transposed, dequantize) -> list[tuple[int, int]]:
         """Row ranges of the source to convert one at a time: about PIECE_BYTES of output each, in whole chunks
@@ -95,18 +138,16 @@ class TensorConverter:
         step *= max(1, PIECE_BYTES // (step * shape[1] * self.leaf_dtype[name].itemsize))
         return [(r, min(r + step, rows)) for r in range(0, rows, step)] or [(0, rows)]
 
-    def _convert_rows(self, src, name, rows, transposed, scale) -> tuple[int, np.ndarray]:
-        """Source rows [a, b) -> (count of non-finite values, converted: [b - a, ...] or transposed); scale: the
-        FP8 block scales to dequantize with, None to keep the stored values."""
-        t, ckpt, scratch, dtype = src.target, self.ckpt, self.scratch, self.leaf_dtype[name]
-        raw = ckpt.read(t.name, scratch, rows if len(ckpt.tensors[t.name].shape) else None)
+    def _convert_rows(self, src, name, raw, rows, transposed, scale) -> tuple[int, np.ndarray]:
+        """Source rows [a, b) as read (raw) -> (count of non-finite values, converted: [b - a, ...] or
+        transposed); scale: the FP8 block scales to dequantize with, None to keep the stored values."""
+        scratch, dtype = self.scratch, self.leaf_dtype[name]
         if scale is not None and transposed:  # every FP8 weight, bf16/f32 output
             # as load_hf: products in float32, one rounding to the target dtype; the pass also counts NaN/inf
-            if raw.ctypes.data % 64:  # jax copies a misaligned input itself, several times slower than this
-                raw = _copy(raw, scratch.array("in", raw.shape, raw.dtype))
             b = self.block[0]
             x, bad = dequantize_fp8_transposed(raw, scale[rows[0] // b:-(-rows[1] // b)], self.block, dtype,
-                                               scratch.array("out", raw.shape[::-1], dtype))
+                                               scratch.array("out", raw.shape[::-1], dtype),
+                                               scratch.array("in", raw.shape[::-1], np.uint8))
             return bad, x
         bad = count_nonfinite(raw)
         if scale is not None:
@@ -114,7 +155,3 @@ class TensorConverter:
         raw = raw.astype(dtype, copy=False)
         return bad, transpose(raw, scratch.array("out", raw.shape[::-1], dtype)) if transposed else raw
 
-
-def _copy(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    np.copyto(out, x)
-    return out

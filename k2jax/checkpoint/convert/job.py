@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import time
 
@@ -17,7 +16,7 @@ from k2jax.checkpoint.convert.codec import TensorConverter
 from k2jax.checkpoint.convert.destination import (GLOBAL_UNIT, all_units, done_units, layer_unit, prepare_dst,
                                                   unit_of)
 from k2jax.checkpoint.convert.errors import ConvertError, first_line
-from k2jax.checkpoint.convert.pool import run_pool
+from k2jax.checkpoint.convert.pool import WORKERS, run_pool
 from k2jax.checkpoint.convert.processes import on_every_process, on_process_zero, processes
 from k2jax.checkpoint.convert.verify import (DTYPES, check_source, fingerprint, open_checkpoint, open_files,
                                              parse_layers, raise_all)
@@ -60,7 +59,7 @@ def convert(src, dst, dtype: str = "bfloat16", workers: int | None = None, layer
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    workers = workers or min(8, 2 * (os.cpu_count() or 1))
+    workers = workers or WORKERS
     if workers < 1:
         raise ConvertError(f"--workers {workers}: need at least 1")
     try:
