@@ -17,6 +17,10 @@ from k2jax.nn.norm import RMSNorm
 from k2jax.nn.quantized import abstract_quantized, quantized_axes
 
 
+# The collection K2Model sows its final hidden states [B, T, D] into (key "final_BTD", a 1-tuple).
+HIDDEN = "hidden"
+
+
 class K2Model(nn.Module):
     """The model: tokens [B, T] int32 -> logits float32, with or without a latent KV cache.
 
@@ -30,7 +34,8 @@ class K2Model(nn.Module):
       all); padding tokens are computed but never written. -> (logits, cache with the new tokens written and
       lengths advanced). Donate the cache to write it in place.
     logits_at_B: [B] int, the one position per row whose logits are wanted (prefill: the last real token)
-    -> logits [B, V] instead of [B, T, V] (T x V would not fit for long prompts).
+    -> logits [B, V] instead of [B, T, V] (T x V would not fit for long prompts). Every position's final
+    hidden state (after the norm) is sown into the HIDDEN collection (see k2jax.ops.logprobs).
 
     Attention takes its fast forms (k2jax.ops.attention.attend, chosen from the shapes); `attention="plain"`
     (or the `reference` method) the plain expanded one. Computation runs in `param_dtype`; norms, softmax and
@@ -71,9 +76,13 @@ class K2Model(nn.Module):
                 blocks = scanned_blocks(n, self.remat)(cfg, moe, dt, self.moe_impl, attention, name, name=name)
                 x_BTD, new[name] = blocks(x_BTD, positions_BT, valid_BT, cache, stacks if moe else None,
                                           jnp.arange(n))
+        x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)  # per position: norm, then take
+        # Every position's final hidden state, for a caller that scores given tokens (a prompt's logprobs,
+        # k2jax.runtime.runner): apply with mutable=[HIDDEN] to get it (its own collection, so that the
+        # layers' sown router statistics stay off); otherwise a no-op.
+        self.sow(HIDDEN, "final_BTD", x_BTD)
         if logits_at_B is not None:
             x_BTD = jnp.take_along_axis(x_BTD, logits_at_B.astype(jnp.int32)[:, None, None], axis=1)
-        x_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="norm")(x_BTD)
         if cfg.tie_word_embeddings:
             head_DV = embed_VD.T
         else:

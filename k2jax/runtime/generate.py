@@ -36,7 +36,8 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              stop_tokens: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None, max_len: int | None = None,
              kv_cache_dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-             on_token: Callable[[np.ndarray, np.ndarray], None] | None = None, timings: dict | None = None):
+             on_token: Callable[[np.ndarray, np.ndarray], None] | None = None, timings: dict | None = None,
+             prompt_logprobs: int | None = None):
     """Continue each prompt (a list of token ids; lengths may differ) by up to max_new_tokens tokens.
 
     Greedy when temperature == 0 (deterministic); otherwise sampling, reproducible from `seed` (row b draws
@@ -50,12 +51,21 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     decode_steps. Under jax.distributed every process calls it with the same arguments and gets the result.
 
     Returns (tokens int32 [B, max_new_tokens], padded with PAD_ID after each end; lengths int32 [B]), numpy.
+    With prompt_logprobs k (0..sampling.MAX_TOP_LOGPROBS), also the prompts' own scores as a third element,
+    computed in the prefill step from the model's log-softmax (no sampling settings), P the longest prompt:
+    {"logprob" float32 [B, P] (prompt token p's logprob given the tokens before it; NaN at p = 0 and past
+    a prompt's end), "rank" int32 [B, P] (1 = the likeliest id; 0 where no logprob), "top_ids" int32
+    [B, P, k], "top_logprobs" float32 [B, P, k] (the k likeliest ids at each position, best first)}.
     Raises ValueError for an empty batch or prompt, an id outside the vocabulary, a prompt that does not fit
     the cache, or a bad sampling setting.
     """
     cfg = model.cfg
     stop_tokens = tuple(int(t) for t in stop_tokens)
     _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p, max_len, stop_tokens)
+    if prompt_logprobs is not None and (not isinstance(prompt_logprobs, (int, np.integer))
+                                        or not 0 <= prompt_logprobs <= sampling.MAX_TOP_LOGPROBS):
+        raise ValueError(f"prompt_logprobs must be an integer in [0, {sampling.MAX_TOP_LOGPROBS}] or None, "
+                         f"got {prompt_logprobs!r}")
     B = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     T = bucket_length(int(lens.max()))
@@ -83,6 +93,8 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     batch = host_batch(prefill, cfg.vocab_size)
     for b, p in enumerate(prompts):
         batch["tokens"][b, :len(p)] = p
+        if prompt_logprobs is not None:  # each prompt token's successor
+            batch["targets"][b, :len(p) - 1] = p[1:]
     batch |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
               "reset": np.ones(B, bool)}
     for b in range(B):
@@ -94,6 +106,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     runner.compile(shapes)
     t1 = time.perf_counter()
     out = runner.step(prefill, batch)
+    scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs)
     tokens = [out["tokens"]]
     done = jnp.isin(out["tokens"], stop)
     if on_token is not None or max_new_tokens == 1:
@@ -102,7 +115,8 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     if on_token is not None:
         on_token(_host(out["tokens"]), np.ones(B, bool))
     steps, active = 0, np.ones(B, bool)
-    decode = {k: v for k, v in batch.items() if k not in ("tokens", "table")} | {"table": table}
+    decode = {k: v for k, v in batch.items() if k not in ("tokens", "table", "targets")} | {"table": table}
+    decode["targets"] = np.full((B, 1), -1, np.int32)
     decode |= {"count": np.ones(B, np.int32), "reset": np.zeros(B, bool)}
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
@@ -132,7 +146,22 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     result[:, :tokens_BN.shape[1]] = tokens_BN
     if timings is not None:
         timings.update(compile_s=t1 - t0, prefill_s=t2 - t1, decode_s=time.perf_counter() - t2, decode_steps=steps)
-    return result, lengths
+    return (result, lengths) if scores is None else (result, lengths, scores)
+
+
+def _prompt_scores(out: dict, lens: np.ndarray, k: int) -> dict:
+    """The prefill step's prompt_* outputs as generate returns them: shifted so that entry p scores prompt
+    token p (position p - 1 predicts it), NaN / 0 where there is none."""
+    B, P = len(lens), int(lens.max())
+    res = {"logprob": np.full((B, P), np.nan, np.float32), "rank": np.zeros((B, P), np.int32),
+           "top_ids": np.full((B, P, k), -1, np.int32), "top_logprobs": np.full((B, P, k), np.nan, np.float32)}
+    got = {name: _host(out["prompt_" + name]) for name in res}
+    for b, n in enumerate(lens):
+        res["logprob"][b, 1:n] = got["logprob"][b, :n - 1]
+        res["rank"][b, 1:n] = got["rank"][b, :n - 1]
+        res["top_ids"][b, 1:n] = got["top_ids"][b, :n - 1, :k]
+        res["top_logprobs"][b, 1:n] = got["top_logprobs"][b, :n - 1, :k]
+    return res
 
 
 def _read_buckets(W: int) -> list[int]:

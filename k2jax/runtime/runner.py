@@ -6,7 +6,9 @@ count[b] real ones, right-padded to T), its page table and how many tokens it al
 how long its prompt is (tokens before that are prompt, the rest the row's own output: the penalties count
 them), whether its slot starts afresh (reset: a new request), and its sampling settings
 (k2jax.runtime.sampling). It returns the token sampled from the logits at each row's last real token,
-its logprob and the top logprobs. What the step computes follows from its shapes: rows B, tokens per row T
+its logprob and the top logprobs, and, for rows given targets (the next token of each fed prompt token), those
+tokens' logprobs under the model's own log-softmax (a prompt's logprobs: scoring, lm-eval's loglikelihood).
+What the step computes follows from its shapes: rows B, tokens per row T
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
 
@@ -34,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
-from k2jax.nn.model import K2Model, expert_views
+from k2jax.nn.model import HIDDEN, K2Model, expert_views
+from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
@@ -55,7 +58,8 @@ def host_batch(shape: StepShape, vocab_size: int) -> dict:
     return {"slot": np.zeros(B, np.int32), "tokens": np.zeros((B, shape.tokens), np.int32),
             "count": np.zeros(B, np.int32), "table": np.zeros((B, shape.table_pages), np.int32),
             "lengths": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32), "reset": np.zeros(B, bool),
-            "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32), "samp": sampling.default_rows(B)}
+            "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32), "samp": sampling.default_rows(B),
+            "targets": np.full((B, shape.tokens), -1, np.int32)}
 
 
 class Runner:
@@ -105,8 +109,9 @@ class Runner:
         cache = PagedCache(state["pages"], state["scales"], batch["table"], batch["lengths"],
                            self.cfg.qk_rope_head_dim, self.shard_axes, read_pages, self.pad)
         valid_BT = jnp.arange(T)[None, :] < count_B[:, None]
-        logits_BV, cache = self.model.apply({"params": params}, batch["tokens"], None, valid_BT, cache,
-                                            jnp.maximum(count_B - 1, 0))
+        (logits_BV, cache), sown = self.model.apply({"params": params}, batch["tokens"], None, valid_BT, cache,
+                                                    jnp.maximum(count_B - 1, 0), mutable=[HIDDEN])
+        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch["targets"])
         counts_BV, seen_BV = self._rows(state, batch["slot"], batch["reset"])
         pos_BT = batch["lengths"][:, None] + jnp.arange(T)[None, :]
         in_prompt_BT = valid_BT & (pos_BT < batch["prompt_len"][:, None])
@@ -115,7 +120,23 @@ class Runner:
         out = sampling.sample_rows(logits_BV, batch["samp"], counts_BV, seen_BV, batch["bitmask"])
         write_B = (count_B > 0) | batch["reset"]
         counts, seen = self._write_rows(state, batch["slot"], write_B, counts_BV, seen_BV)
-        return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out
+        return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out | scores
+
+    def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
+        """The prompt_* outputs (see `step`): computed only when some row has a target."""
+        head_DV = params["embed_tokens"].T if self.cfg.tie_word_embeddings else params["lm_head"]
+        J = sampling.MAX_TOP_LOGPROBS
+
+        def score():
+            return token_logprobs(h_BTD, head_DV, targets_BT, J)
+
+        def skip():
+            B, T = targets_BT.shape
+            return {"logprob": jnp.zeros((B, T), jnp.float32), "rank": jnp.zeros((B, T), jnp.int32),
+                    "top_ids": jnp.zeros((B, T, J), jnp.int32), "top_logprobs": jnp.zeros((B, T, J), jnp.float32)}
+
+        out = jax.lax.cond(jnp.any(targets_BT >= 0), score, skip)
+        return {"prompt_" + k: v for k, v in out.items()}
 
     def _rows(self, state, slot_B, reset_B):
         """The per-slot state of the step's rows ([B, V] each), zero where reset."""
@@ -194,7 +215,11 @@ class Runner:
 
     def step(self, shape: StepShape, batch: dict) -> dict:
         """Run one step of `shape` on host inputs (see host_batch) -> device outputs {"tokens" [B], "logprob"
-        [B], "top_ids", "top_logprobs" [B, sampling.MAX_TOP_LOGPROBS]}; dispatched asynchronously."""
+        [B], "top_ids", "top_logprobs" [B, sampling.MAX_TOP_LOGPROBS]} and the scores of the batch's
+        `targets` [B, T] (the token each fed token predicts: a prompt's next one; -1 = none): "prompt_logprob"
+        [B, T], "prompt_rank" [B, T], "prompt_top_ids", "prompt_top_logprobs" [B, T, MAX_TOP_LOGPROBS], from
+        the model's own log-softmax (no sampling settings), zeros where there is no target
+        (k2jax.ops.logprobs.token_logprobs); dispatched asynchronously."""
         if shape not in self._compiled:
             self.compile([shape])
         sh = self._shardings(shape)
