@@ -133,3 +133,13 @@ def chat_ids(tok, messages, **kw) -> list[int]:
     from k2jax.serving.chat_template import ChatTemplate
 
     return tok.encode(ChatTemplate.builtin().render(messages, **kw), allow_special=True)
+
+
+@contextlib.contextmanager
+def demo_server(*extra):
+    """`k2jax serve --demo --dtype float32` (the demo's random model; float32: a seed's tokens do not depend on
+    the batch) with the flags `extra`, on a free port; -> the port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "k2jax.cli", "serve", "--demo", "--dtype", "float32", "--port", str(port), *extra]
+    with running([argv], port):
+        yield port

@@ -15,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import sys
 
 import jsonschema
 import openai
 import pytest
 
-from tests.serve_util import free_port, metric, running
+from tests.serve_util import demo_server, metric
 
 MAX_TOKENS = 256
 SEEDS = range(20)  # at temperature 1, and one more request at temperature 0
@@ -78,10 +77,7 @@ CALL_ID = re.compile(r"functions\.(?P<name>[A-Za-z0-9_.\-]+):(?P<idx>0|[1-9][0-9
 
 @pytest.fixture(scope="module")
 def demo():
-    port = free_port()
-    argv = [sys.executable, "-m", "k2jax.cli", "serve", "--demo", "--dtype", "float32", "--port", str(port),
-            "--max-batch", "8", "--max-len", "1024", "--prefill-chunk", "256"]
-    with running([argv], port):
+    with demo_server("--max-batch", "8", "--max-len", "1024", "--prefill-chunk", "256") as port:
         yield port
 
 

@@ -69,7 +69,10 @@ def test_n_choices_get_derived_seeds_and_prompt_major_indices():
     ({"prompt": [5], "frobnicate": 1}, "frobnicate"),
     ({"prompt": [5], "best_of": 2}, "best_of"),
     ({"prompt": [5], "n": 2, "best_of": 3}, "best_of"),
-    ({"prompt": [5], "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": [5], "echo": True, "logprobs": 1}, "echo"),  # token ids to echo, and no tokenizer
+    ({"prompt": [5], "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": [5], "prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt": [5], "max_tokens": 0}, "max_tokens"),  # 0 only when the prompt is scored
     ({"prompt": [5], "echo": "yes"}, "echo"),
     ({"prompt": [5], "logprobs": 21}, "logprobs"),
     ({"prompt": [5], "logprobs": True}, "logprobs"),

@@ -51,7 +51,11 @@ class SamplingParams:
     sampled token's logprob and the top k (k <= 20), from the distribution sampled from
     (k2jax.runtime.sampling). grammar: a structured-output spec the engine's grammar compiler turns into a
     per-request token mask ({"response_format": ..., "tools": ..., "tool_choice": ...}; JSON-able, so that
-    every process of a multi-host server builds the same mask)."""
+    every process of a multi-host server builds the same mask). prompt_logprobs None = none, k >= 0 = each
+    prompt token's logprob (from the second on) under the model's own log-softmax, its rank and the top k
+    ids there (k <= 20), computed in the prompt's own chunks (k2jax.runtime.runner); such a request reads
+    nothing from the prefix cache (its prompt is computed whole, so every position is scored) and may ask
+    for max_tokens 0 (the prompt scored, nothing generated)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -69,6 +73,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     grammar: dict | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -79,7 +84,9 @@ class SamplingParams:
 class Event:
     """What a request gets after each of its engine steps: new text and token ids; finish_reason set on the
     last one ("stop" | "length" | "cancelled" | "abort" | "error"). logprobs (when params.logprobs is not
-    None): one {"token_id", "logprob", "top": [[token_id, logprob], ...]} per token of token_ids."""
+    None): one {"token_id", "logprob", "top": [[token_id, logprob], ...]} per token of token_ids.
+    prompt_logprobs (when params.prompt_logprobs is not None, on the request's first event that follows its
+    prompt): one {"token_id", "logprob", "rank", "top"} per prompt token from the second on."""
 
     text: str
     token_ids: list[int]
@@ -89,6 +96,7 @@ class Event:
     error: str | None = None
     logprobs: list[dict] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +114,8 @@ class Request:
     first_token_at: float = 0.0
     cached_tokens: int = 0
     finished: bool = False
+    prompt_lp: list[dict] = dataclasses.field(default_factory=list)  # prompt_lp[p]: prompt token p + 1's
+    prompt_lp_sent: bool = False
 
 
 _IDS = itertools.count()
@@ -190,8 +200,11 @@ class Engine:
             raise ValueError("prompt: empty; give at least one token")
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {params.max_tokens}")
+        if params.max_tokens < (0 if params.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens: must be >= 1 (0 only with prompt_logprobs), got {params.max_tokens}")
+        if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= sampling.MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must be in [0, {sampling.MAX_TOP_LOGPROBS}], "
+                             f"got {params.prompt_logprobs}")
         if len(prompt) + params.max_tokens > self.max_len:
             raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the server's max_len of {self.max_len} tokens")
@@ -362,7 +375,8 @@ class Engine:
             for r in new:
                 if r.params.grammar is not None and r.matcher is None:  # a follower process builds its own
                     r.matcher = self.grammars.for_request(**r.params.grammar).matcher()
-                r.seq = Seq(r, list(r.prompt), len(r.prompt), reuse=not r.params.penalized)
+                r.seq = Seq(r, list(r.prompt), len(r.prompt),
+                            reuse=not r.params.penalized and r.params.prompt_logprobs is None)
                 self.sched.add(r.seq)
             if cancels:
                 self._drop(cancels, aborted)
@@ -382,9 +396,11 @@ class Engine:
             batch = host_batch(call.shape, self.model.cfg.vocab_size)
             self.sched.inputs(call, batch)
             self._sampling(call, batch)
-            done.append((call, self.runner.step(call.shape, batch)))
+            scored = self._targets(call, batch)
+            done.append((call, self.runner.step(call.shape, batch), scored))
             self.sched.advance(call)
-        for call, out in done:
+        for call, out, scored in done:
+            self._take_scores(out, scored)
             self._emit(call, out)
         if done:
             self.metrics.observe_step(time.perf_counter() - t0)
@@ -399,6 +415,41 @@ class Engine:
             sampling.set_row(batch["samp"], i, **self._row_settings(r.params, seq.generated))
             if samples and r.matcher is not None:
                 r.matcher.fill_bitmask(batch["bitmask"][i])
+
+    def _targets(self, call: Call, batch: dict) -> list[tuple]:
+        """Set the targets of the rows that score their prompt (each fed prompt token's successor, for the
+        positions not scored yet: a preempted request's are kept); -> [(row, request, first position, end,
+        the row's first fed position)]."""
+        scored = []
+        for i, (seq, n) in enumerate(call.rows):
+            if seq is None or seq.req.params.prompt_logprobs is None:
+                continue
+            lo, hi = max(seq.cached, len(seq.req.prompt_lp)), min(seq.cached + n, seq.prompt_len - 1)
+            if hi > lo:
+                batch["targets"][i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                scored.append((i, seq.req, lo, hi, seq.cached))
+        return scored
+
+    def _take_scores(self, out: dict, scored: list[tuple]) -> None:
+        """Append the step's prompt scores to their requests (see _targets)."""
+        if not scored:
+            return
+        got = {k: _host(out["prompt_" + k]) for k in ("logprob", "rank", "top_ids", "top_logprobs")}
+        for i, r, lo, hi, start in scored:
+            k = r.params.prompt_logprobs
+            for p in range(lo, hi):
+                t = p - start
+                r.prompt_lp.append({"token_id": int(r.prompt[p + 1]), "logprob": float(got["logprob"][i, t]),
+                                    "rank": int(got["rank"][i, t]),
+                                    "top": [[int(a), float(b)] for a, b in zip(got["top_ids"][i, t, :k],
+                                                                              got["top_logprobs"][i, t, :k])]})
+
+    def _prompt_logprobs(self, r: Request) -> list[dict] | None:
+        """r's prompt scores, on the first event after its prompt (None on the others, or when not asked)."""
+        if r.params.prompt_logprobs is None or r.prompt_lp_sent:
+            return None
+        r.prompt_lp_sent = True
+        return r.prompt_lp
 
     def _row_settings(self, p: SamplingParams, step: int) -> dict:
         return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed % 2**32,
@@ -425,6 +476,9 @@ class Engine:
     def _emit_token(self, r: Request, tok: int, logprobs, masked: bool) -> None:
         """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text
         comes from r.detok, which costs the same per token however long the output is."""
+        if r.params.max_tokens == 0:  # the prompt's scores alone were asked for: the sampled token is not output
+            self._finish(r, "length")
+            return
         if not r.out:
             r.first_token_at = time.perf_counter()
             self.metrics.observe_ttft(r.first_token_at - r.arrived)
@@ -450,7 +504,7 @@ class Engine:
         lps = None if logprobs is None else [logprobs]
         if reason is None:
             r.on_event(Event(text, [tok], None, len(r.prompt), len(r.out), logprobs=lps,
-                             cached_tokens=r.cached_tokens))
+                             cached_tokens=r.cached_tokens, prompt_logprobs=self._prompt_logprobs(r)))
             return
         self._finish(r, reason, text, [tok], lps)
 
@@ -465,7 +519,7 @@ class Engine:
             if not text and r.detok is not None and reason not in ("stop", "length"):
                 text = r.detok.flush()
             r.on_event(Event(text, list(ids), reason, len(r.prompt), len(r.out), logprobs=logprobs,
-                             cached_tokens=r.cached_tokens))
+                             cached_tokens=r.cached_tokens, prompt_logprobs=self._prompt_logprobs(r)))
             self.metrics.finished += 1
         if r.seq is not None:
             self.sched.finish(r.seq)

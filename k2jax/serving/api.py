@@ -179,6 +179,18 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, chat_template: ChatT
         strs = [names.text(i) for i in ids] if fields.flag(body, "return_token_strs") else None
         return {"count": len(ids), "max_model_len": engine.max_len, "tokens": ids, "token_strs": strs}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness's remote
+        tokenizer reads it, then /tokenize and /detokenize)."""
+        if tokenizer is None:
+            raise BadRequest("tokenizer_info needs a tokenizer: start the server with --tokenizer DIR", None, 404)
+        specials = {i: name for name, i in tokenizer.special_tokens.items()}
+        return {"tokenizer_class": "TikTokenTokenizer", "bos_token": specials.get(tokenizer.bos_id),
+                "eos_token": specials.get(tokenizer.eos_id), "pad_token": None,
+                "chat_template": template.source if template is not None else None,
+                "model_max_length": engine.max_len, "vocab_size": limits.vocab_size}
+
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest):
         body = await _json(http)
@@ -252,7 +264,8 @@ async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0
 
     specs = job.choices()
     reqs = [Request(job.prompts[j], p, callback(k)) for k, j, p in specs]
-    choices = [Choice(k, len(job.prompts[j]), p.logprobs is not None, _echo(job, j, names), job.chat)
+    choices = [Choice(k, len(job.prompts[j]), p.logprobs is not None, _echo(job, j, names), job.chat,
+                      job.prompts[j], job.echo_logprobs, job.prompt_logprobs)
                for k, j, p in specs]
     prompt_tokens = sum(len(p) for p in job.prompts)
     if state.draining:  # parsed while the drain began
@@ -331,6 +344,8 @@ async def _stream(engine, reqs, choices, q, watcher, record, chunks: Chunks, job
             if k is None:  # the client went away
                 return
             left -= record(k, ev)
+            for s in chunks.prompt_scores(choices[k], ev):
+                yield s
             if ev.text or ev.token_ids or ev.finish_reason:
                 for s in chunks.event(choices[k], ev):
                     yield s

@@ -32,7 +32,8 @@ COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "user",
     # vLLM's extensions
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens"})
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "prompt_logprobs"})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | AGENT_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                                   "metadata", "store", "service_tier", "modalities"}
@@ -81,6 +82,8 @@ class Job:
     include_usage: bool = False
     chat_logprobs: bool = False  # chat's format: logprobs.content[], top_logprobs as lists
     chat: ChatSetup | None = None  # a chat request's prompt, grammar and output parsing
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead the logprobs
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: the top k beside each prompt token
 
     def choices(self):
         """-> [(index, prompt index, SamplingParams)] in index order."""
@@ -195,12 +198,13 @@ def parse_completion(body: dict, tok, limits: Limits) -> Job:
                          f"does not rank candidates", "best_of")
     echo = flag(body, "echo")
     logprobs = number(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
-    if echo and logprobs is not None:
-        raise BadRequest("echo: not supported together with logprobs (prompt logprobs are not computed)", "echo")
     if echo and tok is None and any(t is None for t in texts):
         raise BadRequest("echo: token-id prompts need a tokenizer (--tokenizer DIR) to be echoed as text", "echo")
-    params = [sampling(body, len(p), tok, limits, chat=False, logprobs=logprobs) for p in prompts]
-    job = Job(prompts, texts, params, n, echo=echo, **stream_options(body))
+    top = prompt_top(body, logprobs if echo else None)
+    params = [sampling(body, len(p), tok, limits, chat=False, logprobs=logprobs, prompt_logprobs=top)
+              for p in prompts]
+    job = Job(prompts, texts, params, n, echo=echo, echo_logprobs=echo and logprobs is not None,
+              prompt_logprobs=body.get("prompt_logprobs"), **stream_options(body))
     check_choices(job, limits)
     return job
 
@@ -231,14 +235,16 @@ def parse_chat(body: dict, tok, limits: Limits, template: ChatTemplate | None = 
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
         raise BadRequest(f"modalities: only [\"text\"] is supported, got {mods!r}", "modalities")
-    params = sampling(body, len(setup.prompt), tok, limits, chat=True, logprobs=(top or 0) if want else None)
+    params = sampling(body, len(setup.prompt), tok, limits, chat=True, logprobs=(top or 0) if want else None,
+                      prompt_logprobs=prompt_top(body, None))
     # A parsed output is detokenized with special-token names (the parsers read the markers; the setup hides
     # them again as the client asked).
     # The grammar also gets the budget (a section of parallel calls closes within max_tokens).
     grammar = None if setup.grammar is None else {**setup.grammar, "max_tokens": params.max_tokens}
     params = dataclasses.replace(params, grammar=grammar,
                                  skip_special_tokens=params.skip_special_tokens and not setup.parses)
-    job = Job([setup.prompt], [None], [params], n, chat_logprobs=True, chat=setup, **stream_options(body))
+    job = Job([setup.prompt], [None], [params], n, chat_logprobs=True, chat=setup,
+              prompt_logprobs=body.get("prompt_logprobs"), **stream_options(body))
     check_choices(job, limits)
     return job
 
@@ -270,11 +276,27 @@ def check_choices(job: Job, limits: Limits) -> None:
                          f"most {limits.max_choices} at once (--max-batch + --max-queue)", "n")
 
 
-def sampling(body, n_prompt, tok, limits: Limits, chat: bool, logprobs: int | None) -> SamplingParams:
-    """The SamplingParams of one prompt (seed: the request's, or a random one)."""
+def prompt_top(body, echo_logprobs: int | None) -> int | None:
+    """How many top ids beside each prompt token the request needs (vLLM's prompt_logprobs field, or
+    completions' echo with logprobs: that many), or None when it scores no prompt."""
+    k = number(body, "prompt_logprobs", None, lo=0, hi=MAX_LOGPROBS, integer=True)
+    if k is None:
+        return echo_logprobs
+    return k if echo_logprobs is None else max(k, echo_logprobs)
+
+
+def sampling(body, n_prompt, tok, limits: Limits, chat: bool, logprobs: int | None,
+             prompt_logprobs: int | None = None) -> SamplingParams:
+    """The SamplingParams of one prompt (seed: the request's, or a random one). max_tokens may be 0 when the
+    prompt is scored (prompt_logprobs, or echo with logprobs): the answer is the prompt's logprobs alone."""
     room = limits.max_len - n_prompt
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = number(body, key, room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room), lo=1, integer=True)
+    least = 0 if prompt_logprobs is not None else 1
+    if body.get(key) == 0 and least:
+        raise BadRequest(f"{key}: 0 is only allowed when the prompt is scored (echo with logprobs, or "
+                         f"prompt_logprobs); otherwise it must be >= 1", key)
+    max_tokens = number(body, key, room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room), lo=least,
+                        integer=True)
     if max_tokens > room:
         raise BadRequest(f"{key}: prompt ({n_prompt} tokens) + {key} ({max_tokens}) exceeds this server's "
                          f"max_len of {limits.max_len} tokens", key, code="context_length_exceeded")
@@ -313,6 +335,7 @@ def sampling(body, n_prompt, tok, limits: Limits, chat: bool, logprobs: int | No
         logit_bias=logit_bias(body, limits.vocab_size),
         min_tokens=min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         stop_ids=tuple(stop_ids),
         stop=stop,
         skip_special_tokens=flag(body, "skip_special_tokens", True))
