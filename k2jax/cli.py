@@ -59,7 +59,7 @@ def _plan(args) -> int:
                          "meshes), or --compile TOPOLOGY")
     hbm = args.hbm * GiB if args.hbm else chip(args.chip).hbm if args.chip else None
     if hbm is None:
-        raise ValueError("--chips needs the memory per chip: --chip v5p|v6e|v5e|h100|h200 or --hbm GiB")
+        raise ValueError("--chips needs the memory per chip: --chip v5p|v6e|v5e|v7x|h100|h200 or --hbm GiB")
     if args.chip:  # a TPU pads each token's cache values to 128 (k2jax.runtime.cache.lane)
         kw["kv_lane"] = chip(args.chip).kv_lane
     if args.mesh:
@@ -77,6 +77,7 @@ def _plan(args) -> int:
 
 def _plan_compile(args, cfg, kw, what) -> int:
     """`k2jax plan --compile TOPOLOGY`: the runtime's programs compiled for the topology."""
+    import dataclasses
     import json
     import sys
 
@@ -96,7 +97,7 @@ def _plan_compile(args, cfg, kw, what) -> int:
         raise ValueError(f"--chips {args.chips}: topology {args.compile} has {chips} chips")
     part = CHIPS.get(name) or Chip(name, f"TPU {name}", 0)
     if args.hbm:
-        part = Chip(part.name, part.label, int(args.hbm * GiB))
+        part = dataclasses.replace(part, hbm=int(args.hbm * GiB))
     if not part.hbm:
         raise ValueError(f"--compile {args.compile}: no memory figure for {name} chips: give --hbm GiB")
     topo = load_topology(args.compile)  # before the search: a missing libtpu fails fast
@@ -116,7 +117,8 @@ def _plan_compile(args, cfg, kw, what) -> int:
     if args.json:
         print(json.dumps({"config": str(args.config), "topology": args.compile, "chips": chips,
                           "hbm_bytes": part.hbm, "reserve": args.reserve, "recommended": recommended,
-                          "plan": plan_json(p), "programs": [result_json(r) for r in results]}, indent=1))
+                          "plan": plan_json(p), "chip": dataclasses.asdict(part),
+                          "programs": [result_json(r, part, p.devices) for r in results]}, indent=1))
     else:
         print(format_compile(results, p, args.compile, part, args.reserve, recommended, what))
     return 1 if any(r.error for r in results) else 0
@@ -208,7 +210,7 @@ def jax_dtype(params):
     return params["embed_tokens"].dtype
 
 
-CHIP_NAMES = ("v5e", "v6e", "v5p", "h100", "h200")  # k2jax.plan.CHIPS (not imported: it pulls in jax)
+CHIP_NAMES = ("v5e", "v6e", "v5p", "h100", "h200", "v7x")  # k2jax.plan.CHIPS (not imported: it pulls in jax)
 
 
 def build_parser() -> argparse.ArgumentParser:

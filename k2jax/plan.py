@@ -46,18 +46,31 @@ GiB, GB = 2**30, 10**9
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """An accelerator as the plan sees it: a name for --chip, a label, and its memory in bytes."""
+    """An accelerator as the plan sees it: a name for --chip, a label, its memory in bytes, and the figures
+    `plan --compile` models a step's time with: HBM bandwidth (bytes/s), dense bf16 and 8-bit peaks (flop/s)
+    and the interconnect (ICI / NVLink) bandwidth per chip, both directions (bytes/s). 0: not known."""
 
     name: str
     label: str
     hbm: int
     kv_lane: int = 1  # a KV pool pads each token's values to a multiple of this (TPUs: 128, see cache.lane)
+    hbm_bandwidth: float = 0.0
+    bf16_flops: float = 0.0
+    int8_flops: float = 0.0
+    ici_bandwidth: float = 0.0
 
 
-# Memory per chip / GPU (vendor figures; GiB for TPUs, decimal GB for NVIDIA).
-CHIPS = {c.name: c for c in (Chip("v5e", "TPU v5e", 16 * GiB, TPU_LANE), Chip("v6e", "TPU v6e", 32 * GiB, TPU_LANE),
-                             Chip("h100", "H100", 80 * GB), Chip("v5p", "TPU v5p", 95 * GiB, TPU_LANE),
-                             Chip("h200", "H200", 141 * GB))}
+# Per chip / GPU, vendor figures (memory: GiB for TPUs, decimal GB for NVIDIA). Sources: Cloud TPU's system
+# architecture pages for v5e, v5p, v6e and v7x (HBM capacity and bandwidth, peak bf16 and int8 / fp8 compute,
+# ICI; ICI given here both ways, twice the pages' per-direction Gbps / 8 where they give one way); NVIDIA's
+# H100 SXM and H200 datasheets (dense, no sparsity; NVLink 900 GB/s). v7x's 8-bit figure is its fp8 peak.
+CHIPS = {c.name: c for c in (
+    Chip("v5e", "TPU v5e", 16 * GiB, TPU_LANE, 819 * GB, 197e12, 394e12, 400 * GB),
+    Chip("v6e", "TPU v6e", 32 * GiB, TPU_LANE, 1640 * GB, 918e12, 1836e12, 800 * GB),
+    Chip("h100", "H100", 80 * GB, 1, 3350 * GB, 989e12, 1979e12, 900 * GB),
+    Chip("v5p", "TPU v5p", 95 * GiB, TPU_LANE, 2765 * GB, 459e12, 918e12, 1200 * GB),
+    Chip("h200", "H200", 141 * GB, 1, 4800 * GB, 989e12, 1979e12, 900 * GB),
+    Chip("v7x", "TPU v7x", 192 * GiB, TPU_LANE, 7370 * GB, 2307e12, 4614e12, 1200 * GB))}
 DTYPES = ("bfloat16", "float32")
 SEARCH_AXES = ("data", "expert", "tensor")  # fsdp left out: see the module docstring
 # Per decode slot, beside the pool (k2jax.runtime.runner): output counts int32 and a prompt mask bool per id.

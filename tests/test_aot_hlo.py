@@ -175,3 +175,93 @@ def test_on_a_program_xla_compiles_here():
     dots = [(c, i.name) for c, comp in comps.items() for i in comp.instructions.values() if i.op == "dot"]
     assert dots and not any(prov.of(c, n) for c, n in dots)  # ... and a matmul with tokens is not
     np.testing.assert_equal(len(module.params()), 3)
+
+
+# A loop of 3 trips: a fusion slicing one layer out of a weight stack [4, 64, 128] for a dot with 8 rows, and a
+# fusion writing its result in place into a cache [16, 8, 128] (dynamic-update-slice).
+LOOP = """HloModule m, entry_computation_layout={(bf16[4,64,128]{2,1,0}, bf16[8,64]{1,0}, f32[16,8,128]{2,1,0})->f32[16,8,128]{2,1,0}}
+
+%fdot (p0: bf16[4,64,128], p1: s32[], p2: bf16[8,64]) -> f32[8,128] {
+  %p0 = bf16[4,64,128]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[8,64]{1,0} parameter(2)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  %w = bf16[64,128]{1,0} bitcast(%ds)
+  ROOT %d = f32[8,128]{1,0} dot(%p2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fupd (c0: f32[16,8,128], c1: f32[8,128], c2: s32[]) -> f32[16,8,128] {
+  %c0 = f32[16,8,128]{2,1,0} parameter(0)
+  %c1 = f32[8,128]{1,0} parameter(1)
+  %c2 = s32[] parameter(2)
+  %u = f32[1,8,128]{2,1,0} bitcast(%c1)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[16,8,128]{2,1,0} dynamic-update-slice(%c0, %u, %c2, %z, %z)
+}
+
+%cond (p: (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128])) -> pred[] {
+  %p = (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %k = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %k), direction=LT
+}
+
+%body (p: (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128])) -> (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) {
+  %p = (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[4,64,128]{2,1,0} get-tuple-element(%p), index=1
+  %x = bf16[8,64]{1,0} get-tuple-element(%p), index=2
+  %c = f32[16,8,128]{2,1,0} get-tuple-element(%p), index=3
+  %y = f32[8,128]{1,0} fusion(%w, %i, %x), kind=kOutput, calls=%fdot
+  %c2 = f32[16,8,128]{2,1,0} fusion(%c, %y, %i), kind=kLoop, calls=%fupd
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) tuple(%j, %w, %x, %c2)
+}
+
+ENTRY %main (w: bf16[4,64,128], x: bf16[8,64], c: f32[16,8,128]) -> f32[16,8,128] {
+  %w = bf16[4,64,128]{2,1,0} parameter(0)
+  %x = bf16[8,64]{1,0} parameter(1)
+  %c = f32[16,8,128]{2,1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) tuple(%zero, %w, %x, %c)
+  %loop = (s32[], bf16[4,64,128], bf16[8,64], f32[16,8,128]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[16,8,128]{2,1,0} get-tuple-element(%loop), index=3
+}
+"""
+
+
+def test_traffic_counts_loop_bodies_by_trips_slices_read_and_updates_in_place():
+    moved = hlo.traffic(hlo.parse(LOOP))
+    # per trip, by hand: the dot's fusion reads one layer (64 x 128 bf16, not the stack), the index and x
+    # (8 x 64 bf16) and writes 8 x 128 f32; the update's fusion reads its update and index and writes the
+    # update alone (the cache itself is updated in place); the counter's add reads 2 and writes 1 int32
+    dot = 64 * 128 * 2 + 4 + 8 * 64 * 2 + 8 * 128 * 4
+    update = 8 * 128 * 4 + 4 + 8 * 128 * 4
+    assert moved.bytes == 3 * (dot + update + 3 * 4)
+    assert moved.flops == 3 * 2 * 8 * 128 * 64
+    assert moved.top[0][1:] == ("fusion", dot, 3)
+
+
+def test_step_model_by_hand():
+    """A decode step of 64 rows on v5p chips: moves 60 GiB, 2 TFLOP, 1 GiB of collectives, arguments 20 GiB."""
+    from k2jax.aot.compile import Result
+    from k2jax.aot.report import step_model
+    from k2jax.plan import CHIPS, GiB
+    from k2jax.runtime.runner import StepShape
+
+    r = Result("decode", StepShape(64, 1, 128, 128), argument_bytes=20 * GiB, moved_bytes=60 * GiB, flops=2e12,
+               model_flops=64 * 2 * 32e9, collectives={"all-reduce": {"ops": 2, "runs": 120, "bytes": GiB}})
+    v5p = CHIPS["v5p"]
+    m = step_model(r, v5p, 64)
+    hbm, peak, ici = 2765e9, 459e12, 1200e9
+    assert v5p.hbm_bandwidth == hbm and v5p.bf16_flops == peak and v5p.ici_bandwidth == ici
+    step = max(60 * GiB / hbm, 2e12 / peak) + GiB / ici  # memory-bound: 23.3 ms + 0.9 ms
+    assert m["seconds"] == pytest.approx(step)
+    assert m["moved_over_arguments"] == pytest.approx(3.0)
+    assert m["ideal_seconds"] == pytest.approx(max(20 * GiB / hbm, 64 * 2 * 32e9 / 64 / peak))
+    assert m["tokens_per_second"] == pytest.approx(64 / step)
+    assert m["tokens_per_second_per_chip"] == pytest.approx(1 / step)
+    assert m["mfu"] == pytest.approx(64 * 2 * 32e9 / (step * 64 * peak))
+    assert step_model(Result("x", r.shape, error="refused"), v5p, 64) is None

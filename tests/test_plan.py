@@ -107,7 +107,7 @@ def test_plan_command_search_and_names(capsys):
     assert cli_main(["plan", str(CONFIGS / "kimi_k2.json"), "--mesh", "expert=64", "--dtype", "int4"]) == 2
     assert "--dtype int4: the quantization is --quant int4" in capsys.readouterr().err
     assert cli_main(["plan", str(CONFIGS / "kimi_k2.json"), "--chips", "64"]) == 2
-    assert "--chip v5p|v6e|v5e|h100|h200 or --hbm GiB" in capsys.readouterr().err
+    assert "--chip v5p|v6e|v5e|v7x|h100|h200 or --hbm GiB" in capsys.readouterr().err
 
 
 def test_compile_without_libtpu_says_what_to_install(capsys, monkeypatch):

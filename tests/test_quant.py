@@ -127,7 +127,7 @@ def test_kernels_on_quantized_equal_reference(quant):
         wt = jax.random.uniform(ks[5], (T, K))
         want = moe_dense(x, idx, wt, *plain)
         np.testing.assert_allclose(moe_dense(x, idx, wt, *stacks), want, atol=1e-5, rtol=1e-5)
-        for impl, kw in (("tiled", {}), ("tiled", dict(capacity=2, tile=4)), ("ragged", {})):
+        for impl, kw in (("tiled", {}), ("tiled", dict(capacity=2, tile=4)), ("ragged", {}), ("gmm", {})):
             got = jax.jit(lambda *a: moe_grouped(*a, impl=impl, **kw))(x, idx, wt, *stacks)
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"{impl} {kw} T={T}")
 
@@ -167,8 +167,9 @@ def test_expert_parallel_scales_sharded_with_blocks(quant, F):
     assert scale_partition(stacks[0], P("expert", None, "tensor"), dict(mesh.shape)) == ("expert", None, "tensor")
     assert scale_partition(stacks[2], P("expert", "tensor", None), dict(mesh.shape)) == ("expert", "tensor", None)
     with use_mesh(mesh):
-        got = jax.jit(lambda *a: moe_expert_parallel(*a, tile=4))(x, idx, wt, *stacks)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        for impl in ("tiled", "gmm"):  # gmm: each device's experts through the kernel (interpreted on CPU)
+            got = jax.jit(lambda *a: moe_expert_parallel(*a, tile=4, impl=impl))(x, idx, wt, *stacks)
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=impl)
 
 
 # ------------------------------------------------------------------------------ held, not expanded

@@ -4,7 +4,7 @@ made of them: per-chip bytes, collectives, loops, tiling padding, and the weight
 The programs are the steps of k2jax.runtime.runner (the one jitted step that k2jax.generate and the
 server run), built with Runner(..., abstract=True): params, pool and sampling state are
 jax.ShapeDtypeStructs with their shardings, so nothing is allocated and a 1T-parameter model compiles on a
-laptop. The MoE runs its TPU path (ragged_dot): "auto" would pick XLA:CPU's on a CPU host.
+laptop. The MoE runs its TPU path (k2jax.ops.gmm): "auto" would pick XLA:CPU's on a CPU host.
 
 With K2JAX_AOT_CACHE=DIR set, what the compiler returns (its memory figures and the optimized HLO) is kept in
 DIR under a key of everything it was given (the lowered program, the devices, jax and libtpu versions, XLA
@@ -30,6 +30,7 @@ import numpy as np
 
 from k2jax.aot import hlo
 from k2jax.config import K2Config
+from k2jax.info import active_params_per_token
 from k2jax.runtime.cache import kv_bytes_per_token, lane
 from k2jax.runtime.runner import Runner, StepShape
 from k2jax.nn.model import K2Model, abstract_params
@@ -78,7 +79,11 @@ class Result:
     """What the compiler made of one program (bytes are per chip); `error` holds the compiler's message
     instead when it refused (e.g. CompileTimeHbmOom). estimate_*: the plan's figures for the same program;
     padding: bytes the arguments' tiled layouts add; padded: the largest such arguments (name, array,
-    extra bytes); weight_copies / weight_collectives: the item-4 findings (see `check_weights`)."""
+    extra bytes); weight_copies / weight_collectives: the item-4 findings (see `check_weights`); moved_bytes,
+    flops: what one run reads, writes and computes per chip, loop bodies times their trip counts
+    (k2jax.aot.hlo.traffic), movers its largest ops; model_flops: 2 x active parameters x the step's tokens,
+    over all chips; optimal_seconds: the compiler's own figure (cost_analysis, which counts a loop body once),
+    None where it gives none."""
 
     name: str
     shape: StepShape
@@ -96,6 +101,11 @@ class Result:
     weight_copies: list = dataclasses.field(default_factory=list)
     weight_collectives: list = dataclasses.field(default_factory=list)
     copy_limit: int = 0
+    moved_bytes: int = 0
+    flops: int = 0
+    model_flops: int = 0
+    optimal_seconds: float | None = None
+    movers: list = dataclasses.field(default_factory=list)
     error: str | None = None
     hlo: str | None = None
 
@@ -121,8 +131,9 @@ class Target:
 
 
 def target_model(cfg: K2Config, dtype: str) -> K2Model:
-    """The model as a TPU runs it: its MoE on ragged_dot (the default picks by the host's backend)."""
-    return K2Model(cfg, jnp.dtype(dtype), moe_impl="ragged")
+    """The model as a TPU runs it: its MoE through the grouped-matmul kernel (k2jax.ops.gmm; ragged_dot for
+    plain experts). The default would pick by the host's backend."""
+    return K2Model(cfg, jnp.dtype(dtype), moe_impl="gmm")
 
 
 def abstract_runner(cfg: K2Config, mesh, p: Plan) -> Runner:
@@ -143,7 +154,7 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     t0 = time.perf_counter()
     lowered = runner.lower(shape)
     try:
-        mem, text = compiler_output(lowered, runner.mesh)
+        mem, text, cost = compiler_output(lowered, runner.mesh)
     except Exception as e:  # the compiler's own error types (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)
         res.seconds = time.perf_counter() - t0
         res.error = f"{type(e).__name__}: {e}"
@@ -160,17 +171,24 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     res.padded = sorted((x for x in extra if x[2] > 0), key=lambda x: -x[2])[:5]
     res.estimate_arguments, res.estimate_outputs = estimate(p, runner, shape, lowered)
     res.copy_limit, res.weight_copies, res.weight_collectives = check_weights(module, labels, runner.cfg, p)
+    moved = hlo.traffic(module, top=5)
+    res.moved_bytes, res.flops, res.movers = moved.bytes, moved.flops, list(moved.top)
+    res.model_flops = 2 * active_params_per_token(runner.cfg) * shape.rows * shape.tokens
+    opt = cost.get("optimal_seconds")
+    res.optimal_seconds = float(opt) if opt is not None and opt > 0 else None
     if keep_hlo:
         res.hlo = text
     return res
 
 
 _MEMORY = ("argument_size_in_bytes", "temp_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+_COST = ("flops", "bytes accessed", "optimal_seconds")
 
 
-def compiler_output(lowered, mesh) -> tuple[dict[str, int], str]:
-    """Compile `lowered` -> ({memory figure: bytes}, the optimized HLO text); kept in $K2JAX_AOT_CACHE when set
-    (see the module's docstring). A refusal raises, and is not kept."""
+def compiler_output(lowered, mesh) -> tuple[dict[str, int], str, dict[str, float]]:
+    """Compile `lowered` -> ({memory figure: bytes}, the optimized HLO text, {cost figure: value} of
+    cost_analysis: flops, bytes accessed, optimal_seconds); kept in $K2JAX_AOT_CACHE when set (see the
+    module's docstring). A refusal raises, and is not kept."""
     cache = os.environ.get("K2JAX_AOT_CACHE")
     path = None
     if cache:
@@ -185,18 +203,22 @@ def compiler_output(lowered, mesh) -> tuple[dict[str, int], str]:
         if path.exists():
             with gzip.open(path, "rt") as f:
                 kept = json.load(f)
-            return kept["memory"], kept["hlo"]
+            if "cost" in kept:  # kept before the cost was: compiled again
+                return kept["memory"], kept["hlo"], kept["cost"]
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
     memory = {k: int(getattr(mem, k)) for k in _MEMORY}
     text = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    cost = {k: float(cost[k]) for k in _COST if k in cost}
     if path is not None:  # written whole, then renamed: a reader never sees half of it
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         with gzip.open(tmp, "wt") as f:
-            json.dump({"memory": memory, "hlo": text}, f)
+            json.dump({"memory": memory, "hlo": text, "cost": cost}, f)
         os.replace(tmp, path)
-    return memory, text
+    return memory, text, cost
 
 
 def estimate(p: Plan, runner: Runner, shape: StepShape, lowered) -> tuple[int, int]:

@@ -540,3 +540,153 @@ def entry_parameter_numbers(module: Module) -> dict[str, int]:
     comp = module.computations[module.entry]
     return {i.name: int(re.search(r"parameter\((\d+)\)", i.text).group(1))
             for i in comp.instructions.values() if i.op == "parameter"}
+
+
+# Ops that move no bytes of their own: views, bookkeeping, and the calls whose bodies are counted instead.
+_NO_TRAFFIC = _NO_BUFFER | {"iota"}
+# In a fusion, an operand read only through these reads just their results (the slice, the rows gathered).
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What a module moves through memory and computes per run, per chip, loop bodies times their trip
+    counts (see `traffic`): bytes read and written by the ops, the dot flops, and the largest movers
+    (computation/instruction, op, bytes per run, runs)."""
+
+    bytes: int
+    flops: int
+    top: tuple = ()
+
+
+def _fusion_operand_bytes(module: Module, inst: Instruction, comp: Computation) -> tuple[int, int]:
+    """(bytes read, bytes written) by one fusion: an operand only sliced or gathered inside counts what is
+    read of it; an operand updated in place (the fused root a dynamic-update-slice of it) counts nothing, and
+    the output then counts only the update written."""
+    body = module.computations.get((inst.calls.get("calls") or [""])[0])
+    sizes = [sum(a.nbytes for a in comp.instructions[o].shapes) if o in comp.instructions else 0
+             for o in inst.operands]
+    written = inst.nbytes
+    if body is None:
+        return sum(sizes), written
+    params = {}
+    for i in body.instructions.values():
+        if i.op == "parameter":
+            m = re.search(r"parameter\((\d+)\)", i.text)
+            if m:
+                params[i.name] = int(m.group(1))
+    users: dict[str, list[Instruction]] = {}
+    for i in body.instructions.values():
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    roots = [body.instructions[body.root]] if body.root in body.instructions else []
+    if roots and roots[0].op == "tuple":
+        roots = [body.instructions[o] for o in roots[0].operands if o in body.instructions]
+    in_place = {}
+    for r in roots:
+        if r.op == "dynamic-update-slice" and r.operands and r.operands[0] in params:
+            upd = body.instructions.get(r.operands[1])
+            in_place[params[r.operands[0]]] = (r.nbytes, upd.nbytes if upd else r.nbytes)
+    read = 0
+    for name, k in params.items():
+        if k >= len(sizes):
+            continue
+        if k in in_place:
+            whole, upd = in_place[k]
+            written -= whole - upd
+            continue
+        sliced = _sliced_elements(name, users)
+        per = sizes[k] / max(sum(a.elements for a in comp.instructions[inst.operands[k]].shapes), 1) \
+            if inst.operands[k] in comp.instructions else 0
+        read += sizes[k] if sliced is None else min(sizes[k], int(sliced * per))
+    return read, max(written, 0)
+
+
+# Ops a value passes through element for element (a layout change, a conversion, a nested loop fusion of it
+# alone) on its way to a slice: only the elements sliced are read.
+_PASS = ("bitcast", "copy", "convert", "reshape", "transpose", "fusion")
+
+
+def _sliced_elements(name: str, users: dict, depth: int = 0) -> int | None:
+    """Elements of value `name` that a fused computation reads, when every use of it ends, through
+    element-for-element ops, in a slice, dynamic slice or gather of it; None when some use reads it whole."""
+    us = users.get(name, [])
+    if not us or depth > 4:
+        return None
+    total = 0
+    for u in us:
+        if u.op in _SLICING and u.operands[0] == name:
+            total += sum(a.elements for a in u.shapes)
+        elif u.op in _PASS and len(u.operands) == 1:
+            n = _sliced_elements(u.name, users, depth + 1)
+            if n is None:
+                return None
+            total += n
+        else:
+            return None
+    return total
+
+
+def _dot_flops(inst: Instruction, comp: Computation) -> int:
+    """2 x output elements x contracted elements of a dot, a ragged-dot or a convolution (XLA:TPU writes its
+    dots as convolutions: dim_labels=bf_oi->bf, the kernel's "i" dims contracted). A convolution's spatial
+    dims count as batch dims: XLA:TPU writes batched matmuls as windowed convolutions (size=64 stride=63
+    lhs_dilate=64: the window meets one non-zero), and the model has no true spatial convolution; 0 for
+    other ops."""
+    if inst.op == "convolution" and len(inst.operands) > 1:
+        m = re.search(r"dim_labels=[^_]*_([^-]*)->", inst.text)
+        kernel = comp.instructions.get(inst.operands[1])
+        if m is None or kernel is None or not kernel.shapes:
+            return 0
+        contracted = math.prod(d for d, lab in zip(kernel.shapes[0].dims, m.group(1)) if lab == "i")
+        return 2 * sum(a.elements for a in inst.shapes) * contracted
+    if inst.op not in ("dot", "ragged-dot") or not inst.operands:
+        return 0
+    lhs = comp.instructions.get(inst.operands[0])
+    m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.text)
+    if lhs is None or not lhs.shapes or m is None:
+        return 0
+    dims = lhs.shapes[0].dims
+    contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d)
+    return 2 * sum(a.elements for a in inst.shapes) * contracted
+
+
+def _custom_flops(inst: Instruction) -> int:
+    """A Pallas kernel's own flops estimate, where its custom call carries one (cost_estimate)."""
+    m = re.search(r'\\?"flops\\?"\s*:\s*\\?"?(\d+)', inst.text)
+    return int(m.group(1)) if m else 0
+
+
+def traffic(module: Module, top: int = 10) -> Traffic:
+    """Bytes moved and flops of one run of the module, per chip, each computation's ops counted as often as
+    it runs (`executions`: a loop body times its trip count, a conditional's branches each as taken).
+
+    Bytes: each op outside fusions reads its operands and writes its result, as XLA's cost analysis counts
+    them per operand, except that an operand a fusion only slices or gathers counts the part read, and a
+    buffer updated in place (dynamic-update-slice) counts only the update written; views and bookkeeping
+    (bitcast, tuple, get-tuple-element, parameters, constants) move nothing. Flops: every dot and ragged-dot,
+    in fusions too, 2 x output x contracted elements (a ragged-dot as if every row met every group: it
+    computes one group per row, so this is exact), and a Pallas kernel's own estimate where it gives one."""
+    runs, _ = executions(module)
+    fused = fused_computations(module)
+    total, flops, movers = 0, 0, []
+    for cname, times in runs.items():
+        comp = module.computations[cname]
+        for inst in comp.instructions.values():
+            flops += (_dot_flops(inst, comp) or (_custom_flops(inst) if inst.op == "custom-call" else 0)) * times
+            if cname in fused or inst.op in _NO_TRAFFIC:
+                continue
+            if inst.op == "fusion":
+                read, written = _fusion_operand_bytes(module, inst, comp)
+            elif inst.op in ("dynamic-slice", "slice", "gather"):
+                read, written = inst.nbytes, inst.nbytes
+            elif inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
+                upd = comp.instructions.get(inst.operands[1])
+                read = written = upd.nbytes if upd else inst.nbytes
+            else:
+                read = sum(comp.instructions[o].nbytes for o in inst.operands if o in comp.instructions)
+                written = inst.nbytes
+            total += (read + written) * times
+            movers.append((f"{cname}/{inst.name}", inst.op, read + written, times))
+    movers.sort(key=lambda m: -m[2] * m[3])
+    return Traffic(total, flops, tuple(movers[:top]))

@@ -75,7 +75,7 @@ def format_compile(results: list[Result], p: Plan, topology: str, chip: Chip, re
                      f"{format_bytes(r.output_bytes):>9} {format_bytes(r.alias_bytes):>9} "
                      f"{format_bytes(r.total_bytes):>9} {format_bytes(r.estimate_arguments):>10} "
                      f"{difference(r):>+6.1%} {r.seconds:>7.0f}s")
-    lines.append("")
+    lines += [""] + format_step_model(results, chip, p.devices) + [""]
     for r in results:
         if r.error:
             lines += [f"{r.name}: the compiler refused it:", f"  {r.error[:2000]}", ""]
@@ -104,6 +104,9 @@ def format_compile(results: list[Result], p: Plan, topology: str, chip: Chip, re
             else:
                 lines.append("  no materialized copy of a quantized weight larger than one layer's chosen experts "
                              f"({format_bytes(r.copy_limit)})")
+        if r.movers:
+            lines.append("  largest movers per run: " + "; ".join(
+                f"{op} {format_bytes(b)} x {n}" for _, op, b, n in r.movers[:3]))
         if r.weight_collectives:
             lines.append(f"  {len(r.weight_collectives)} collectives move weight data:")
             lines += [f"    {what_} at {where} from {', '.join(src)}" for where, what_, src in r.weight_collectives[:8]]
@@ -112,8 +115,59 @@ def format_compile(results: list[Result], p: Plan, topology: str, chip: Chip, re
     return "\n".join(lines).rstrip()
 
 
-def result_json(r: Result) -> dict:
-    """A Result as plain JSON types."""
+def step_model(r: Result, chip: Chip, devices: int) -> dict | None:
+    """The modeled time of one run of a program, per chip, from what the compiler made of it (None where the
+    chip's figures are not known):
+
+    - seconds = max(moved bytes / HBM bandwidth, flops / bf16 peak) + collective bytes / ICI bandwidth;
+    - ideal_seconds = max(argument bytes / HBM bandwidth, model flops / chips / bf16 peak): every argument
+      read once, and only the model's own matmul work (2 x active parameters per token), evenly split;
+    - tokens per second for the slice (the step's rows x tokens / seconds) and per chip, and the MFU (model
+      flops over the slice's peak for the modeled time)."""
+    if r.error or not (chip.hbm_bandwidth and chip.bf16_flops and chip.ici_bandwidth):
+        return None
+    collective = sum(v["bytes"] for v in r.collectives.values())
+    memory_s = r.moved_bytes / chip.hbm_bandwidth
+    compute_s = r.flops / chip.bf16_flops
+    ici_s = collective / chip.ici_bandwidth
+    seconds = max(memory_s, compute_s) + ici_s
+    ideal = max(r.argument_bytes / chip.hbm_bandwidth, r.model_flops / devices / chip.bf16_flops)
+    tokens = r.shape.rows * r.shape.tokens
+    slice_tps = tokens / seconds if seconds else 0.0
+    return {"moved_bytes": r.moved_bytes, "moved_over_arguments": r.moved_bytes / max(r.argument_bytes, 1),
+            "flops": r.flops, "collective_bytes": collective, "memory_seconds": memory_s,
+            "compute_seconds": compute_s, "ici_seconds": ici_s, "seconds": seconds,
+            "compiler_optimal_seconds": r.optimal_seconds, "ideal_seconds": ideal,
+            "ideal_bytes": r.argument_bytes, "ideal_flops": r.model_flops / devices,
+            "tokens_per_second": slice_tps, "tokens_per_second_per_chip": slice_tps / devices,
+            "mfu": r.model_flops / (seconds * devices * chip.bf16_flops) if seconds else 0.0}
+
+
+def format_step_model(results: list[Result], chip: Chip, devices: int) -> list[str]:
+    """The report's step-time table (see step_model)."""
+    if not (chip.hbm_bandwidth and chip.bf16_flops and chip.ici_bandwidth):
+        return [f"no step-time model: the bandwidth and peak of {chip.label} chips are not known"]
+    lines = [f"modeled step per chip ({chip.label}: HBM {chip.hbm_bandwidth / 1e12:.2f} TB/s, bf16 "
+             f"{chip.bf16_flops / 1e12:.0f} TFLOP/s, ICI {chip.ici_bandwidth / 1e9:.0f} GB/s): "
+             "max(moved / HBM, flops / peak) + collectives / ICI; moved and flops count loop bodies times their "
+             "trips; ideal: the arguments read once, the model's flops split evenly",
+             f"{'program':<8} {'moved':>9} {'x args':>7} {'TFLOP':>7} {'compiler':>9} {'modeled':>9} "
+             f"{'(hbm':>8} {'flops':>8} {'ici)':>8} {'ideal':>8} {'tokens/s':>10} {'per chip':>9} {'MFU':>6}"]
+    ms = lambda x: "-" if x is None else f"{x * 1e3:.1f}ms"  # noqa: E731
+    for r in results:
+        m = step_model(r, chip, devices)
+        if m is None:
+            continue
+        lines.append(f"{r.name:<8} {format_bytes(m['moved_bytes']):>9} {m['moved_over_arguments']:>6.2f}x "
+                     f"{m['flops'] / 1e12:>7.2f} {ms(m['compiler_optimal_seconds']):>9} {ms(m['seconds']):>9} "
+                     f"{ms(m['memory_seconds']):>8} {ms(m['compute_seconds']):>8} {ms(m['ici_seconds']):>8} "
+                     f"{ms(m['ideal_seconds']):>8} {m['tokens_per_second']:>10,.0f} "
+                     f"{m['tokens_per_second_per_chip']:>9,.0f} {m['mfu']:>6.1%}")
+    return lines
+
+
+def result_json(r: Result, chip: Chip | None = None, devices: int = 1) -> dict:
+    """A Result as plain JSON types; with the chip, its step_model under "step_model"."""
     d = {"program": r.name, "shape": dataclasses.asdict(r.shape), "compile_seconds": round(r.seconds, 2),
          "error": r.error}
     if r.error:
@@ -127,7 +181,12 @@ def result_json(r: Result) -> dict:
           "loops": [{"name": lp.name, "trips": lp.trips} for lp in r.loops],
           "weight_copy_limit_bytes": r.copy_limit,
           "weight_copies": [{"at": w, "array": a, "from": s} for w, a, s in r.weight_copies],
-          "weight_collectives": [{"at": w, "collective": c, "from": s} for w, c, s in r.weight_collectives]}
+          "weight_collectives": [{"at": w, "collective": c, "from": s} for w, c, s in r.weight_collectives],
+          "moved_bytes": r.moved_bytes, "flops": r.flops, "model_flops": r.model_flops,
+          "compiler_optimal_seconds": r.optimal_seconds,
+          "largest_movers": [{"at": w, "op": op, "bytes": b, "runs": n} for w, op, b, n in r.movers]}
+    if chip is not None:
+        d["step_model"] = step_model(r, chip, devices)
     return d
 
 

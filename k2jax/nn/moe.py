@@ -5,8 +5,9 @@ G expert groups.
 
 The routed experts run through one of k2jax.ops.moe's dispatch kernels, with the same parameters:
 "dense" (`moe_dense`, every expert on every token: the reference), "tiled" (`grouped_moe`, XLA:CPU's
-batched-plus-tiles path, reading the layer's experts out of the stacked params; see MoE) or "ragged"
-(`jax.lax.ragged_dot`); under a mesh the expert-parallel exchange of k2jax.ops.expert_parallel runs them on
+batched-plus-tiles path, reading the layer's experts out of the stacked params; see MoE), "ragged"
+(`jax.lax.ragged_dot`) or "gmm" (ragged, with quantized experts read in place by k2jax.ops.gmm's Pallas
+kernel: a TPU's default); under a mesh the expert-parallel exchange of k2jax.ops.expert_parallel runs them on
 the devices holding them.
 """
 
@@ -22,7 +23,7 @@ from k2jax.nn.mlp import MLP
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.moe import moe_dense, moe_grouped
 
-MOE_IMPLS = ("auto", "dense", "tiled", "ragged")
+MOE_IMPLS = ("auto", "dense", "tiled", "ragged", "gmm")
 
 
 class Router(nn.Module):
@@ -134,7 +135,7 @@ class MoE(nn.Module):
         idx_TK, weight_TK = Router(cfg, name="gate")(x_TD, B)
         impl = self.impl
         if impl == "auto":
-            impl = "tiled" if jax.default_backend() == "cpu" else "ragged"
+            impl = {"cpu": "tiled", "tpu": "gmm"}.get(jax.default_backend(), "ragged")
         if impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
         sharded = jax.sharding.get_abstract_mesh().size > 1

@@ -54,7 +54,8 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     """Routed experts on `mesh` (default: the current one from jax.set_mesh), weights sharded (expert on
     'expert', F on 'tensor'). x [T, D], idx/weight [T, K] (router output, global expert ids) -> [T, D].
 
-    mode: one of EP_MODES (see the module docstring). impl: "tiled" (XLA:CPU) or "ragged" (ragged_dot) for the
+    mode: one of EP_MODES (see the module docstring). impl: "tiled" (XLA:CPU), "ragged" (ragged_dot) or "gmm"
+    (ragged, quantized experts through k2jax.ops.gmm's kernel) for the
     local grouped matmul. capacity_factor: rows per round per destination = cap · t·K/n (at most t).
 
     The expert stacks may be QuantizedWeight: each device gets its experts' values and the scales of their
@@ -80,6 +81,8 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     if mode == "auto":
         mode = "gather" if c == t else "all_to_all"
     x_TD = x_TD.astype(compute_dtype(gate_EDF, x_TD))
+    if impl == "gmm":  # the kernel is compiled for the mesh's chips; elsewhere the plain form (see local_experts)
+        impl = "gmm:tpu" if _platform(mesh) == "tpu" else "gmm:plain"
     # Padding rows route to K distinct experts (a row's experts are distinct: local_experts relies on it).
     x_TD, weight_TK = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_TD, weight_TK))
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
@@ -168,13 +171,17 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
 def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64):
     """Σ_k w_k · Expert_{lid_k}(x) over this device's experts, float32 [R, D]; slots with lid == e (the
     number of local experts) belong elsewhere and add nothing."""
-    if impl != "ragged":
+    if not impl.startswith(("ragged", "gmm")):
         # How many rows each device gets is not known statically, so no batched capacity: tiles only.
         return grouped_moe(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, capacity=0, tile=tile,
                            out_dtype=jnp.float32)
     R, K = lid_RK.shape
     e = gate_eDF.shape[0]
-    chunk = dequant_chunk(gate_eDF, K)
+    # "gmm:tpu": quantized experts read in place by the kernel, so no dequantized chunks. "gmm:plain" (a mesh
+    # of other chips): the plain form, as grouped_matmul's platform; Pallas' interpreter cannot run inside
+    # shard_map (jax 0.12), so CPU meshes take it too, and the kernel's numerics are tested outside.
+    kernel = impl.startswith("gmm")
+    chunk = e if kernel else dequant_chunk(gate_eDF, K)
     if chunk < e:
         return _ragged_in_chunks(x_RD, lid_RK, w_RK, (gate_eDF, up_eDF, down_eFD), chunk)
     M = R * min(K, e)  # a row's K experts are distinct: at most min(K, e) of them are here
@@ -182,7 +189,8 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
     order_M = jnp.argsort(flat, stable=True)[:M]  # this device's slots first, grouped by expert
     e_sorted_M = flat[order_M]
     sizes_e = jnp.bincount(flat, length=e + 1)[:e]
-    y_MD = _ragged_swiglu(x_RD[order_M // K], sizes_e, gate_eDF, up_eDF, down_eFD)  # rows past Σ sizes: 0
+    y_MD = _ragged_swiglu(x_RD[order_M // K], sizes_e, gate_eDF, up_eDF, down_eFD, kernel,
+                          "tpu" if impl == "gmm:tpu" else "plain")  # rows past Σ sizes: 0
     w_M = jnp.where(e_sorted_M < e, w_RK.reshape(-1)[order_M], 0.0)
     return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
 
@@ -215,6 +223,19 @@ def _ragged_in_chunks(x_RD, lid_RK, w_RK, ws, chunk: int):
     acc_RD, _ = jax.lax.scan(one, _zeros(x_RD.shape, jnp.float32, x_RD, lid_RK, w_RK, *ws),
                              (jnp.arange(n), stacked))
     return acc_RD
+
+
+def _platform(mesh) -> str | None:
+    """The platform of the mesh's devices ("tpu", "cpu", "gpu"): of the current concrete mesh (jax.set_mesh)
+    when `mesh` is abstract; None when no devices are known (jax without get_mesh)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        try:
+            mesh = jax.sharding.get_mesh()
+        except (AttributeError, ValueError, RuntimeError):
+            return None
+    if not isinstance(mesh, jax.sharding.Mesh) or not mesh.devices.size:
+        return None
+    return getattr(mesh.devices.flat[0], "platform", None)
 
 
 def _weight_spec(w, spec, mesh):

@@ -30,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from k2jax.ops.gmm import grouped_matmul
 from k2jax.ops.quant import compute_dtype, is_quantized, materialize
 
 def _swiglu(x, gate, up, down):
@@ -67,7 +68,7 @@ def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="ti
     """
     T, K = idx_TK.shape
     x_TD = x_TD.astype(compute_dtype(gate_EDF, x_TD))
-    if impl != "ragged":
+    if impl not in ("ragged", "gmm"):
         if stacks is not None:
             return _from_stacks(tile, capacity, x_TD, idx_TK, weight_TK, (gate_EDF, up_EDF, down_EFD),
                                 tuple(stacks), layer)
@@ -75,7 +76,7 @@ def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="ti
     flat_M = idx_TK.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)
     sizes_E = jnp.bincount(flat_M, length=gate_EDF.shape[0])
-    y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD)
+    y_sorted_MD = _ragged_swiglu(x_TD[order_M // K], sizes_E, gate_EDF, up_EDF, down_EFD, kernel=impl == "gmm")
     y_MD = jnp.zeros_like(y_sorted_MD).at[order_M].set(y_sorted_MD)
     return _combine(y_MD.reshape(T, K, -1), weight_TK).astype(x_TD.dtype)
 
@@ -114,7 +115,14 @@ def _combine(y_TKD, weight_TK):
     return (y_TKD.astype(jnp.float32) * weight_TK[..., None]).sum(1)
 
 
-def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD):
+def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD, kernel=False, platform=None):
+    """SwiGLU of rows sorted by expert (sizes [E]) -> [M, D]; rows past Σ sizes give 0. kernel: quantized
+    experts through k2jax.ops.gmm's grouped matmul (read in place, dequantized in VMEM on a TPU; platform
+    as grouped_matmul takes it) rather than dequantized whole for ragged_dot."""
+    if kernel:
+        g = grouped_matmul(x_MD, gate_EDF, sizes_E, platform=platform)
+        u = grouped_matmul(x_MD, up_EDF, sizes_E, platform=platform)
+        return grouped_matmul(jax.nn.silu(g) * u, down_EFD, sizes_E, platform=platform)
     f32 = jnp.float32
     gate_EDF, up_EDF, down_EFD = (materialize(w, x_MD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
     g = jax.lax.ragged_dot(x_MD, gate_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
