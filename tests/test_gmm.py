@@ -123,7 +123,7 @@ def test_compiles_for_tpus_and_reads_the_weights_once(topology, fmt, bound):
     """Kimi K2's six local experts per chip on expert=64 (7168 x 2048 gate, 2048 x 7168 down) at a decode
     batch's rows: the compiled program moves about its arguments' bytes, the packed weights and the rows in
     and out (fp8: plus its scales spread over the columns, 1/32 of the values, written then read), where
-    XLA's dequantize-then-ragged_dot moves several times them (bench/gmm.py prints both)."""
+    XLA's dequantize-then-ragged_dot moves several times them."""
     for M, I, O in ((64, 7168, 2048), (384, 2048, 7168)):
         moved, ideal = _compile(topology, fmt, M, I, O)
         assert moved.bytes <= bound * ideal, (topology, fmt, M, I, O, moved.bytes / ideal)
