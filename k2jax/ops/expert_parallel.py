@@ -226,11 +226,15 @@ def _ragged_in_chunks(x_RD, lid_RK, w_RK, ws, chunk: int):
 
 
 def _platform(mesh) -> str | None:
-    """The platform of the mesh's devices ("tpu", "cpu", "gpu"): of the current concrete mesh (jax.set_mesh)
-    when `mesh` is abstract; None when no devices are known (jax without get_mesh)."""
+    """The platform of the mesh's devices ("tpu", "cpu", "gpu"): a concrete mesh's, an abstract mesh's
+    abstract_device (inside jit), or the current concrete mesh's (jax.set_mesh, outside jit); None when no
+    devices are known (older jax)."""
     if not isinstance(mesh, jax.sharding.Mesh):
+        device = getattr(mesh, "abstract_device", None)  # an abstract mesh names its devices' platform
+        if getattr(device, "platform", None):
+            return device.platform
         try:
-            mesh = jax.sharding.get_mesh()
+            mesh = jax.sharding.get_mesh()  # outside jit only
         except (AttributeError, ValueError, RuntimeError):
             return None
     if not isinstance(mesh, jax.sharding.Mesh) or not mesh.devices.size:
