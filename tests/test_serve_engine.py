@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import k2jax
-from k2jax.ops.paged import _quantize
+from k2jax.ops.paged import quantize_latents
 from k2jax.runtime import compiles
 from k2jax.runtime.engine import Engine, Request, SamplingParams, generate_one
 from k2jax.runtime.scheduler import STALL_FILL
@@ -267,7 +267,7 @@ def test_float8_cache_quantization_equals_an_e4m3_round_trip():
     x = np.random.default_rng(0).standard_normal((4, 6, 64)) * np.logspace(-3, 2, 6)[None, :, None]
     x[0, 0, 3] = 40.0  # one outlier sets its token's ckv scale
     x[..., R:] *= 0.01  # k_pe of another range
-    q, s = _quantize(jnp.asarray(x, jnp.float32), R)
+    q, s = quantize_latents(jnp.asarray(x, jnp.float32), R)
     q = np.asarray(q.astype(jnp.float32), np.float64)
     got = np.concatenate([q[..., :R] * np.asarray(s)[..., :1], q[..., R:] * np.asarray(s)[..., 1:]], -1)
     x32 = np.asarray(x, np.float32)

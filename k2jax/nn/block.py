@@ -33,8 +33,7 @@ class DecoderBlock(nn.Module):
         cfg, dt = self.cfg, self.param_dtype
         x_BTD = constrain(x_BTD, ("batch", "length", "act_embed"))
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="input_layernorm")(x_BTD)
-        # A step whose rows hold nothing yet (read_pages 0: a first prompt chunk) reads no cache.
-        context = None if cache is None or cache.read_pages == 0 else cache.read(self.group, layer, dt)
+        context = None if cache is None else cache.context(self.group, layer, dt)
         attn_BTD, new = MLA(cfg, dt, self.attention, name="self_attn")(h_BTD, positions_BT, kv_valid_BT, context)
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)

@@ -60,6 +60,14 @@ class MLA(nn.Module):
         k_pe_BTP = apply_rope(k_pe_BTP[:, :, None, :], positions_BT, cfg)[:, :, 0, :]
         new = {"ckv": ckv_BTR, "k_pe": k_pe_BTP}
 
+        # A quantized kv_b_proj is dequantized once per layer and step here (R x N x (K+V), small): the
+        # attention kernels use it two ways (expanding the keys, or absorbed into the query and output).
+        w_kv_b_RNX = materialize(param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt), dt)
+        w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
+        if hasattr(context, "attend"):  # a ragged step's (k2jax.ops.ragged): it reads the pool itself
+            out_BTNV = context.attend(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, cfg.softmax_scale)
+            return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), new
+
         # The keys: the cached prefix (if any), then the new tokens themselves.
         ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
         if context is not None:
@@ -68,10 +76,6 @@ class MLA(nn.Module):
             k_pe_BSP = jnp.concatenate([c_k_pe_BSP.astype(dt), k_pe_BTP], 1)
             valid_BS = jnp.concatenate([c_valid_BS, valid_BS], 1)
 
-        # A quantized kv_b_proj is dequantized once per layer and step here (R x N x (K+V), small): the
-        # attention kernels use it two ways (expanding the keys, or absorbed into the query and output).
-        w_kv_b_RNX = materialize(param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt), dt)
-        w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
         out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, valid_BS, cfg.softmax_scale,
                           self.attention)
         return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), new

@@ -62,8 +62,8 @@ class K2Model(nn.Module):
         B, T = tokens_BT.shape
         valid_BT = jnp.ones((B, T), bool) if attention_mask_BS is None else attention_mask_BS.astype(bool)
         if positions_BT is None:
-            start_B1 = jnp.zeros((B, 1), jnp.int32) if cache is None else cache.lengths[:, None]
-            positions_BT = start_B1 + jnp.arange(T, dtype=jnp.int32)[None, :]
+            positions_BT = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if cache is None
+                            else cache.positions(T))
         embed_VD = param(self, "embed_tokens", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt,
                          nn.initializers.normal(1.0))
         x_BTD = embed_VD[tokens_BT]
@@ -81,14 +81,15 @@ class K2Model(nn.Module):
         # k2jax.runtime.runner): apply with mutable=[HIDDEN] to get it (its own collection, so that the
         # layers' sown router statistics stay off); otherwise a no-op.
         self.sow(HIDDEN, "final_BTD", x_BTD)
-        if logits_at_B is not None:
-            x_BTD = jnp.take_along_axis(x_BTD, logits_at_B.astype(jnp.int32)[:, None, None], axis=1)
+        if logits_at_B is not None:  # [B] (one position per row) or [B, J]
+            at_BJ = logits_at_B.astype(jnp.int32).reshape(B, -1)
+            x_BTD = jnp.take_along_axis(x_BTD, at_BJ[..., None], axis=1)
         if cfg.tie_word_embeddings:
             head_DV = embed_VD.T
         else:
             head_DV = param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
         logits = einsum("BTD,DV->BTV", x_BTD, head_DV, jnp.float32)
-        if logits_at_B is not None:
+        if logits_at_B is not None and logits_at_B.ndim == 1:
             logits = logits[:, 0]
         if cache is None:
             return logits

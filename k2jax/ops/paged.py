@@ -74,6 +74,15 @@ class PagedCache:
     def replace(self, **changes) -> "PagedCache":
         return dataclasses.replace(self, **changes)
 
+    def positions(self, T: int):
+        """The positions [B, T] of T new tokens per row: lengths[b] + t."""
+        return self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+    def context(self, group: str, layer, dtype):
+        """What layer `layer` of `group` attends over (k2jax.nn.block): `read`'s cached tokens, or None for a
+        step that reads none (read_pages 0: a first prompt chunk)."""
+        return None if self.read_pages == 0 else self.read(group, layer, dtype)
+
     def read(self, group: str, layer, dtype):
         """Layer `layer` (a traced index into the group's stack) of every row's cached tokens ->
         (ckv [B, S, R], k_pe [B, S, P] in `dtype`, valid [B, S] bool: position s < lengths[b])."""
@@ -111,7 +120,7 @@ class PagedCache:
             x_LBTC = jnp.concatenate([kv["ckv"], kv["k_pe"].astype(kv["ckv"].dtype)], -1)
             if self.quantized:
                 R = kv["ckv"].shape[-1]
-                x_LBTC, s_LBT2 = _quantize(x_LBTC, R)
+                x_LBTC, s_LBT2 = quantize_latents(x_LBTC, R)
             else:
                 x_LBTC, s_LBT2 = x_LBTC.astype(pages[g].dtype), None
             if self.pad:
@@ -147,7 +156,7 @@ class PagedCache:
         return per_shard(lambda shard, *xs: fn(shard * (self.num_pages // shards), *xs), args, dims, out_dims, axes)
 
 
-def _quantize(x_LBTC, R: int):
+def quantize_latents(x_LBTC, R: int):
     """x -> (e4m3 values, float32 scales [..., 2]): one scale per token for ckv (the first R values) and one
     for k_pe, amax / 448 each."""
     x = x_LBTC.astype(jnp.float32)

@@ -1,0 +1,218 @@
+"""The ragged step over the paged latent cache: one flat batch of new tokens from many rows (the decoding rows'
+one token each and prompt chunks of any lengths, together), each row with its own cached length and
+page-table row. k2jax.runtime.ragged lays the batch out.
+
+The flat batch holds T = D + M * G tokens:
+- tokens [0, D), the decode region: one token each, each of its own row (row_T says whose);
+- tokens [D, T), the chunk region: M blocks of G tokens, each block one row's consecutive new tokens (a row's
+  chunk takes whole blocks, the last one padded), so a block reads its row's pages once for all its tokens.
+Padding tokens (valid_T False) are computed but never written. A valid token t of row b sits at position
+pos_T[t] = lengths[b] + its index among the row's new tokens: it sees the row's cached tokens (positions <
+lengths[b]) and the row's new tokens up to its own position.
+
+`ragged_attention` is the XLA form (the reference, and the CPU path): absorbed attention (K2_REFERENCE.md §3:
+W_UK folded into the query, W_UV into the output, so the latent cache is never expanded per head), with an
+online softmax that visits each row's pages a few at a time in a loop whose trip count is the step's longest
+cached row, not a static read size: one program serves every cache length. Then the new tokens: a decode
+token sees itself; a chunk block sees its row's blocks up to its own (the others are skipped, not masked).
+A TPU kernel takes the same metadata (the layout above, page_table, lengths).
+
+Letters as in k2jax.nn.mla: T flat tokens, D decode tokens, M chunk blocks, G tokens per block, B rows,
+W pages per row, A pages in the pool, Y tokens per page, N heads, R kv_lora_rank, P rope head dim, C = R + P,
+K nope head dim, V value head dim. `g` is the tokens sharing one row's reads (1 in the decode region, G in the
+chunk region), Z the keys one visit reads (visit_pages * Y).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from k2jax.ops.paged import TRASH_PAGE, quantize_latents
+from k2jax.ops.quant import materialize
+
+_NEG_INF = -1e30
+VISIT_KEYS = 256  # cached keys an online-softmax visit reads per row (whole pages: at least one)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedCache:
+    """The paged pool (as k2jax.ops.paged.PagedCache: pages {group: [L, A, Y, C + pad]}, scales for an e4m3
+    pool) with one ragged step's metadata: page_table [B, W] int32 (global page ids), lengths [B] int32 (tokens
+    each row holds before the step), and per flat token row_T [T] int32, pos_T [T] int32 and valid_T [T] bool
+    (see the module docstring); decode (D) and block (G) static. The model takes it in place of a PagedCache
+    (k2jax.nn.model.K2Model, with tokens [1, T])."""
+
+    pages: dict
+    scales: dict
+    page_table: jax.Array
+    lengths: jax.Array
+    row_T: jax.Array
+    pos_T: jax.Array
+    valid_T: jax.Array
+    rope_dim: int = dataclasses.field(metadata=dict(static=True))
+    decode: int = dataclasses.field(default=0, metadata=dict(static=True))
+    block: int = dataclasses.field(default=1, metadata=dict(static=True))
+    pad: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    def positions(self, T: int):
+        """The new tokens' positions [1, T]."""
+        assert T == self.pos_T.shape[0], (T, self.pos_T.shape)
+        return self.pos_T[None]
+
+    def context(self, group: str, layer, dtype) -> "RaggedContext":
+        """What layer `layer` of `group` attends over (k2jax.nn.block): the pool and the step's metadata."""
+        return RaggedContext(self, group, layer, dtype)
+
+    def append(self, new: dict, count_B=None) -> "RaggedCache":
+        """The cache with every valid token's latents written at its row's page and slot for pos_T, and each
+        row's length advanced by its valid tokens (count_B is not used: the metadata says). new: {group: {"ckv":
+        [L, 1, T, R], "k_pe": [L, 1, T, P]}}. Padding goes to the trash page. Donate to write in place."""
+        pages, scales = dict(self.pages), dict(self.scales)
+        Y, W = next(iter(pages.values())).shape[2], self.page_table.shape[1]
+        page_T = jnp.where(self.valid_T, self.page_table[self.row_T, jnp.clip(self.pos_T // Y, 0, W - 1)],
+                           TRASH_PAGE)
+        slot_T = jnp.where(self.valid_T, self.pos_T % Y, 0)
+        for g, kv in new.items():
+            x_LTC = jnp.concatenate([kv["ckv"][:, 0], kv["k_pe"][:, 0].astype(kv["ckv"].dtype)], -1)
+            if self.scales:
+                x_LTC, s_LT2 = quantize_latents(x_LTC, kv["ckv"].shape[-1])
+                scales[g] = scales[g].at[:, page_T, slot_T].set(s_LT2)
+            x_LTC = jnp.pad(x_LTC.astype(pages[g].dtype), [(0, 0), (0, 0), (0, self.pad)])
+            pages[g] = pages[g].at[:, page_T, slot_T].set(x_LTC)
+        added_B = jnp.zeros_like(self.lengths).at[self.row_T].add(self.valid_T.astype(self.lengths.dtype))
+        return dataclasses.replace(self, pages=pages, scales=scales, lengths=self.lengths + added_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedContext:
+    """One layer's view of a RaggedCache, handed to the attention (k2jax.nn.mla)."""
+
+    cache: RaggedCache
+    group: str
+    layer: jax.Array
+    dtype: jnp.dtype
+
+    def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, scale):
+        """The new tokens' attention (B = 1: the flat batch) -> [1, T, N, V]; see ragged_attention."""
+        c = self.cache
+        out_TNV = ragged_attention(q_nope_BTNK[0], q_pe_BTNP[0], ckv_BTR[0], k_pe_BTP[0], w_kv_b_RNX, scale,
+                                   c.pages[self.group], c.scales.get(self.group), self.layer, c.page_table,
+                                   c.lengths, c.row_T, c.pos_T, c.valid_T, c.decode, c.block, c.pad, self.dtype)
+        return out_TNV[None]
+
+
+def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, pages_LAYC, scales_LAY2, layer,
+                     table_BW, lengths_B, row_T, pos_T, valid_T, decode: int, block: int, pad: int = 0,
+                     dtype=None):
+    """Attention of a ragged step's new tokens (laid out as the module docstring says) over their rows'
+    cached tokens and their own row's new tokens.
+
+    q_nope [T, N, K], q_pe [T, N, P] (rotated), ckv [T, R] (normalised), k_pe [T, P] (rotated): the new
+    tokens'; w_kv_b [R, N, K + V]; pages [L, A, Y, C + pad] (the group's pool; e4m3 with scales [L, A, Y, 2],
+    or scales None) and `layer`, the index into it (read together with the page ids: one gather, no copy of
+    the layer's pool); table [B, W]; lengths [B]; row, pos, valid [T]. -> [T, N, V] in `dtype` (default the new
+    latents'). Scores and the softmax in float32."""
+    T, N, K = q_nope_TNK.shape
+    R = ckv_TR.shape[-1]
+    dt = jnp.dtype(dtype or ckv_TR.dtype)
+    f32 = jnp.float32
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
+    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+    q_lat_TNR = (jnp.einsum("TNK,RNK->TNR", q_nope_TNK, w_uk_RNK, preferred_element_type=f32) * scale).astype(dt)
+    q_pe_TNP = (q_pe_TNP.astype(f32) * scale).astype(dt)
+    ckv_TR, k_pe_TP = ckv_TR.astype(dt), k_pe_TP.astype(dt)
+    D, G = decode, block
+    M = (T - D) // G
+    assert D + M * G == T, f"{T} tokens are not {D} decode tokens and whole blocks of {G}"
+    pool = (pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt)
+    outs = []
+    if D:  # one token per row: its cached keys, then itself
+        q = (q_lat_TNR[:D, None], q_pe_TNP[:D, None])
+        st = _over_cache(*q, row_T[:D], valid_T[:D], *pool)
+        s_D1N1 = _scores(*q, ckv_TR[:D, None], k_pe_TP[:D, None])
+        outs.append(_update(st, s_D1N1, valid_T[:D, None, None, None], ckv_TR[:D, None], dt))
+    if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each one
+        def blocks(x):
+            return x[D:].reshape((M, G) + x.shape[1:])
+
+        q = (blocks(q_lat_TNR), blocks(q_pe_TNP))
+        row_M = row_T[D::G]
+        st = _over_cache(*q, row_M, blocks(valid_T).any(1), *pool)
+        outs.append(_over_chunk(*q, blocks(ckv_TR), blocks(k_pe_TP), row_M, blocks(pos_T), blocks(valid_T), st, dt))
+    m, l, acc = (jnp.concatenate([o[i].reshape((-1,) + o[i].shape[2:]) for o in outs]) for i in range(3))
+    o_lat_TNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
+    return jnp.einsum("TNR,RNV->TNV", o_lat_TNR, w_uv_RNV, preferred_element_type=f32).astype(dt)
+
+
+def _scores(q_lat_MgNR, q_pe_MgNP, ckv_MZR, k_pe_MZP):
+    """[M, g, N, Z] float32: each query against its group's keys."""
+    f32 = jnp.float32
+    return (jnp.einsum("MgNR,MZR->MgNZ", q_lat_MgNR, ckv_MZR, preferred_element_type=f32)
+            + jnp.einsum("MgNP,MZP->MgNZ", q_pe_MgNP, k_pe_MZP, preferred_element_type=f32))
+
+
+def _update(state, s_MgNZ, see_MgNZ, ckv_MZR, dt):
+    """One online-softmax step: (m, l [M, g, N], acc [M, g, N, R]) after the keys `see` lets each query see."""
+    m, l, acc = state
+    s_MgNZ = jnp.where(see_MgNZ, s_MgNZ, _NEG_INF)
+    m_new = jnp.maximum(m, s_MgNZ.max(-1))
+    p_MgNZ = jnp.where(see_MgNZ, jnp.exp(s_MgNZ - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv_MgNR = jnp.einsum("MgNZ,MZR->MgNR", p_MgNZ.astype(dt), ckv_MZR, preferred_element_type=jnp.float32)
+    return m_new, l * corr + p_MgNZ.sum(-1), acc * corr[..., None] + pv_MgNR
+
+
+def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt):
+    """The online-softmax state of each query group after its row's cached keys (positions < lengths[row]),
+    read VISIT_KEYS at a time (whole pages) for as many visits as the step's longest live row needs."""
+    M, g, N, _ = q_lat_MgNR.shape
+    Y = pages_LAYC.shape[2]
+    C = pages_LAYC.shape[-1] - pad
+    v = max(1, VISIT_KEYS // Y)  # pages per visit
+    W = table_BW.shape[1]
+    table_MW = jnp.pad(table_BW, [(0, 0), (0, -W % v)], constant_values=TRASH_PAGE)[row_M]
+    len_M = jnp.where(live_M, lengths_B[row_M], 0)
+    visits = (jnp.max(len_M, initial=0) + v * Y - 1) // (v * Y)
+    f32 = jnp.float32
+
+    def visit(i, state):
+        ids_Mv = jax.lax.dynamic_slice_in_dim(table_MW, i * v, v, axis=1)
+        x_MvYC = pages_LAYC[layer, ids_Mv][..., :C]  # a gather: the rows' pages of this visit only
+        if scales_LAY2 is None:
+            x_MvYC = x_MvYC.astype(dt)
+        else:
+            s_MvY2 = scales_LAY2[layer, ids_Mv]
+            x_MvYC = jnp.concatenate([x_MvYC[..., :R].astype(f32) * s_MvY2[..., :1],
+                                      x_MvYC[..., R:].astype(f32) * s_MvY2[..., 1:]], -1).astype(dt)
+        x_MZC = x_MvYC.reshape(M, v * Y, C)
+        see_MZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_M[:, None]
+        s = _scores(q_lat_MgNR, q_pe_MgNP, x_MZC[..., :R], x_MZC[..., R:])
+        return _update(state, s, see_MZ[:, None, None, :], x_MZC[..., :R], dt)
+
+    init = (jnp.full((M, g, N), _NEG_INF, f32), jnp.zeros((M, g, N), f32), jnp.zeros((M, g, N, R), f32))
+    return jax.lax.fori_loop(0, visits, visit, init)
+
+
+def _over_chunk(q_lat_MGNR, q_pe_MGNP, ckv_MGR, k_pe_MGP, row_M, pos_MG, valid_MG, state, dt):
+    """The state after each block's own row's new tokens up to each query's position: block i visits
+    blocks first(i)..i, the row's blocks before it and itself (a row's blocks are consecutive)."""
+    M = row_M.shape[0]
+    first_M = jnp.argmax(row_M[None, :] == row_M[:, None], axis=1)  # each block's row's first block
+    first_M = jnp.where(valid_MG.any(1), first_M, M)  # a padding block visits nothing
+
+    def one_block(args):
+        i, st = args
+
+        def visit(j, st):
+            see_GG = valid_MG[j][None, :] & (pos_MG[j][None, :] <= pos_MG[i][:, None])
+            s = _scores(q_lat_MGNR[i][None], q_pe_MGNP[i][None], ckv_MGR[j][None], k_pe_MGP[j][None])
+            st1 = _update(tuple(x[None] for x in st), s, see_GG[None, :, None, :], ckv_MGR[j][None], dt)
+            return tuple(x[0] for x in st1)
+
+        return jax.lax.fori_loop(first_M[i], i + 1, visit, st)
+
+    return jax.lax.map(one_block, (jnp.arange(M), state))
