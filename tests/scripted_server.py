@@ -57,10 +57,13 @@ class ScriptedRunner:
         count, start, plen = int(batch["count"][b]), int(batch["lengths"][b]), int(batch["prompt_len"][b])
         if count == 0 or start >= plen:  # an empty row, or a decode row
             return
-        slot = int(batch["slot"][b])
+        if "row" in batch:  # a ragged step: row b is slot b, its tokens among the flat ones
+            slot, fed = b, batch["tokens"][(batch["row"] == b) & batch["valid"]]
+        else:
+            slot, fed = int(batch["slot"][b]), batch["tokens"][b, :count]
         if start == 0:
             self._prompts[slot] = []
-        self._prompts[slot] += [int(t) for t in batch["tokens"][b, :count]]
+        self._prompts[slot] += [int(t) for t in fed]
         if start + count >= plen and self.record is not None:
             with open(self.record, "a") as f:
                 f.write(json.dumps({"seed": seed, "prompt": self._prompts.pop(slot)[:plen]}) + "\n")

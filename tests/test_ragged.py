@@ -1,4 +1,4 @@
-"""The ragged step (k2jax.ops.ragged, laid out by k2jax.runtime.ragged) against the plain model call, row by
+"""The ragged step (k2jax.ops.ragged, laid out by k2jax.runtime.layout) against the plain model call, row by
 row: decoding rows and prompt chunks of any lengths in one flat batch, each over its own cached prefix, give
 the logits and the cache the rectangular step with the plain attention gives each row."""
 
@@ -13,7 +13,7 @@ from k2jax import K2Config, K2Model, init_params
 from k2jax.ops.paged import TRASH_PAGE
 from k2jax.ops.ragged import RaggedCache
 from k2jax.runtime.cache import init_cache
-from k2jax.runtime.ragged import Feed, RaggedShape, lay_out, place
+from k2jax.runtime.layout import Feed, RaggedShape, lay_out, place
 from tests.conftest import CONFIGS
 
 TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")
@@ -105,6 +105,28 @@ def test_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, 
         if kv_dtype == "float8":
             np.testing.assert_allclose(np.asarray(got_cache.scales[g])[:, keep],
                                        np.asarray(want_cache.scales[g])[:, keep], rtol=1e-6)
+
+
+def test_chunk_tiles_skip_earlier_rows(params, tokens, monkeypatch):
+    """Tiles of 8 new tokens (two blocks of 4): rows span tiles and tiles hold parts of two rows; the same
+    logits as the plain call."""
+    from k2jax.ops import ragged
+
+    monkeypatch.setattr(ragged, "CHUNK_TILE", 8)
+    cache = _prefixes(params, tokens, "float32")
+    want_logits, _ = _plain(params, tokens, cache)
+    shape = _shape(2, 4)
+    meta = lay_out(shape, _feeds(tokens, cache))
+    rc = RaggedCache(cache.pages, cache.scales, jnp.asarray(meta["table"]), jnp.asarray(meta["lengths"]),
+                     jnp.asarray(meta["row"]), jnp.asarray(meta["pos"]), jnp.asarray(meta["valid"]),
+                     TINY.qk_rope_head_dim, shape.decode, shape.block, cache.pad)
+    logits, _ = jax.jit(lambda p, t, v, c, at: K2Model(TINY).apply({"params": p}, t, None, v, c, at))(
+        params, jnp.asarray(meta["tokens"])[None], jnp.asarray(meta["valid"])[None], rc,
+        jnp.asarray(meta["last"])[None])
+    for b, (_, n) in enumerate(ROWS):
+        if n:
+            np.testing.assert_allclose(np.asarray(logits[0, b]), np.asarray(want_logits[b, n - 1]), atol=1e-5,
+                                       rtol=1e-5, err_msg=f"row {b}")
 
 
 def test_one_program_serves_every_cache_length(params, tokens):

@@ -71,11 +71,66 @@ def _record_shapes(eng):
     return shapes
 
 
+def _record_fed(eng):
+    """[(shape, tokens fed per row)] of each runner step."""
+    steps = []
+    step = eng.runner.step
+    eng.runner.step = lambda shape, batch: steps.append((shape, batch["count"].tolist())) or step(shape, batch)
+    return steps
+
+
+def test_ragged_steps_take_every_row_in_one_call(model_params, solo):
+    """The default engine on one device: each engine step is one ragged call. A burst of three prompts
+    arriving together is prefilled in one call (whole blocks of 16 tokens: 1 + 2 + 1 blocks), then one call
+    per token over the decoding rows. Every output equals generate on its prompt alone."""
+    eng = _engine(model_params, idle_chunk=64)
+    assert eng.ragged
+    steps = _record_fed(eng)
+    prompts = _prompts(0, (5, 21, 9))
+    got, _ = _run(eng, prompts)
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p), i
+    shape, fed = steps[0]
+    assert fed == [5, 21, 9, 0] and (shape.blocks * shape.block, shape.decode) == (64, 4)
+    assert all(sh.rows == 4 for sh, _ in steps)
+    assert [f for _, f in steps[1:N]] == [[1, 1, 1, 0]] * (N - 1)  # all three decode from the second step
+    assert len(steps) == N and all(sh.blocks == 0 for sh, _ in steps[1:])
+    assert len(set(eng.sched.shapes())) == 3 + 1  # decode sizes 1, 2, 4; one chunk region (64 tokens at least)
+
+
+def test_ragged_chunks_are_bounded_by_the_budget(model_params, solo):
+    """A lone prompt is prefilled idle_chunk tokens at a time; a prompt arriving while another request
+    decodes takes at most prefill_chunk tokens per step, in the same call as the decoding row."""
+    eng = _engine(model_params, idle_chunk=32)
+    steps = _record_fed(eng)
+    long = _prompts(5, (50,))[0]
+    got, _ = _run(eng, [long])
+    assert got[0] == solo(long)
+    assert [f[0] for _, f in steps[:2]] == [32, 18]
+
+    steps.clear()
+    short, long2 = _prompts(6, (5, 50))
+    ev = {0: [], 1: []}
+    eng.submit(Request(short, SamplingParams(max_tokens=N), ev[0].append))
+    eng.step()  # the short prompt's chunk: it decodes from now on
+    eng.submit(Request(long2, SamplingParams(max_tokens=N), ev[1].append))
+    n_steps = 1
+    while not all(e and e[-1].finish_reason for e in ev.values()):
+        eng.step()
+        n_steps += 1
+    assert [t for e in ev[0] for t in e.token_ids] == solo(short)
+    assert [t for e in ev[1] for t in e.token_ids] == solo(long2)
+    beside = [f for _, f in steps[1:] if 1 in f and max(f) > 1]
+    assert beside and max(max(f) for f in beside) == 16  # beside a decoding row: prefill_chunk at most
+    assert len(steps) == n_steps  # one call per engine step
+
+
 def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows(model_params, solo):
     """Three requests submitted together while nothing decodes: one batched first chunk (a bucket of 4 rows,
     one spare), the long prompt's second chunk while the others decode, then decodes over buckets of the live
-    rows as requests finish. Every output equals generate on its prompt alone."""
-    eng = _engine(model_params)
+    rows as requests finish. Every output equals generate on its prompt alone. (The rectangular steps: a
+    mesh's.)"""
+    eng = _engine(model_params, ragged=False)
     shapes = _record_shapes(eng)
     prompts = _prompts(0, (5, 21, 9))
     got, _ = _run(eng, prompts)
@@ -91,8 +146,9 @@ def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows
 def test_a_lone_prompt_takes_idle_chunks_and_a_prompt_beside_decodes_takes_prefill_chunks(model_params, solo):
     """While nothing decodes, a lone prompt is prefilled idle_chunk tokens at a time (its first chunk, then
     a later one over the cached prefix); a prompt arriving while another request decodes takes chunks of at
-    most prefill_chunk, so the decoding row waits at most one such chunk per token. Outputs equal generate."""
-    eng = _engine(model_params, idle_chunk=32)
+    most prefill_chunk, so the decoding row waits at most one such chunk per token. Outputs equal generate.
+    (The rectangular steps.)"""
+    eng = _engine(model_params, idle_chunk=32, ragged=False)
     shapes = _record_shapes(eng)
     long = _prompts(5, (50,))[0]
     got, _ = _run(eng, [long])
@@ -121,9 +177,10 @@ def test_chunks_beside_decodes_are_cut_to_one_first_chunks_time(model_params, so
     chunk and the decode) takes no longer than STALL_FILL of a first chunk of prefill_chunk tokens alone,
     or, where nothing fits, the quickest chunk. Outputs still equal generate's; without the bound
     (stall_bound=False) there are no smaller sizes and nothing is timed."""
-    eng = _engine(model_params, max_len=128, prefill_chunk=16, min_chunk=1)
+    eng = _engine(model_params, max_len=128, prefill_chunk=16, min_chunk=1, ragged=False)
     assert eng.sched.later_sizes == [2, 4, 8, 16, 64]  # down to an eighth of prefill_chunk
-    assert _engine(model_params, max_len=128, prefill_chunk=16).sched.later_sizes == [16, 64]  # min_chunk 64
+    assert _engine(model_params, max_len=128, prefill_chunk=16,
+                   ragged=False).sched.later_sizes == [16, 64]  # min_chunk 64
 
     def cost(shape):  # seconds: a first chunk by its tokens; a later one also by the pages it re-reads
         if shape.tokens == 1:
@@ -155,7 +212,7 @@ def test_chunks_beside_decodes_are_cut_to_one_first_chunks_time(model_params, so
     sizes = {s.tokens for st in beside for s in st if s.tokens > 1 and s.read_pages > 0}
     assert sizes & {2, 4, 8}, sizes  # later chunks cut below prefill_chunk
 
-    plain = _engine(model_params, max_len=128, prefill_chunk=16, stall_bound=False)
+    plain = _engine(model_params, max_len=128, prefill_chunk=16, stall_bound=False, ragged=False)
     assert plain.sched.later_sizes == [16, 64] and plain.sched.timed_shapes() == []
 
 
@@ -163,7 +220,7 @@ def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefi
     """batch_wait_s: requests 50 ms apart (as over HTTP) reach an idle running engine; its first step
     prefills all three together."""
     eng = _engine(model_params, batch_wait_s=2.0)
-    shapes = _record_shapes(eng)
+    steps = _record_fed(eng)
     done, got = threading.Event(), []
     thread = threading.Thread(target=eng.run, daemon=True)
     thread.start()
@@ -176,7 +233,7 @@ def test_a_burst_arriving_over_time_at_an_idle_engine_is_gathered_into_one_prefi
     finally:
         eng.stop()
         thread.join(60)
-    assert shapes[0].rows == 4 and shapes[0].read_pages == 0, shapes  # all three in the first prefill
+    assert steps[0][1] == [3, 3, 3, 0], steps  # all three in the first prefill
     assert sum(e.finish_reason == "length" for e in got) == 3
 
 
@@ -308,3 +365,17 @@ def test_sharded_engine_equals_one_device(model_params, solo, spec):
     for i, p in enumerate(prompts):
         assert got[i] == solo(p), i
     assert lone[0] == solo(prompts[0])
+
+
+@pytest.mark.parametrize("flags", [dict(max_batch=8, max_len=4096, prefill_chunk=512),
+                                   dict(max_batch=16, max_len=8192, prefill_chunk=256, idle_chunk=4096),
+                                   dict(max_batch=64, max_len=32768, prefill_chunk=1024)])
+def test_a_handful_of_programs_whatever_the_settings(model_params, flags):
+    """Ragged steps: decode-only sizes (powers of two from an eighth of the slots up) and chunk regions (powers of two from
+    64 tokens up to the idle chunk), never a product with cache lengths: at most 12 programs at these
+    settings, where the rectangular steps take several times as many."""
+    ragged = _engine(model_params, kv_tokens=flags["max_len"], **flags)
+    rect = _engine(model_params, kv_tokens=flags["max_len"], ragged=False, **flags)
+    n = len(set(ragged.sched.shapes()))
+    assert n <= 12, ragged.programs_cause()
+    assert len(set(rect.sched.shapes())) >= 3 * n

@@ -33,8 +33,11 @@ class K2Model(nn.Module):
       into the row's pages. attention_mask [B, T] marks the real new tokens, a prefix of each row (default
       all); padding tokens are computed but never written. -> (logits, cache with the new tokens written and
       lengths advanced). Donate the cache to write it in place.
+    - a ragged cache (k2jax.ops.ragged.RaggedCache): tokens [1, T] are one flat batch of many rows' new
+      tokens, laid out as that module says; the cache gives their rows and positions.
     logits_at_B: [B] int, the one position per row whose logits are wanted (prefill: the last real token)
-    -> logits [B, V] instead of [B, T, V] (T x V would not fit for long prompts). Every position's final
+    -> logits [B, V] instead of [B, T, V] (T x V would not fit for long prompts); or [B, J], J positions per
+    row -> [B, J, V] (a ragged step: [1, rows], each row's last token). Every position's final
     hidden state (after the norm) is sown into the HIDDEN collection (see k2jax.ops.logprobs).
 
     Attention takes its fast forms (k2jax.ops.attention.attend, chosen from the shapes); `attention="plain"`

@@ -1,6 +1,6 @@
 """The ragged step over the paged latent cache: one flat batch of new tokens from many rows (the decoding rows'
 one token each and prompt chunks of any lengths, together), each row with its own cached length and
-page-table row. k2jax.runtime.ragged lays the batch out.
+page-table row. k2jax.runtime.layout lays the batch out.
 
 The flat batch holds T = D + M * G tokens:
 - tokens [0, D), the decode region: one token each, each of its own row (row_T says whose);
@@ -34,7 +34,12 @@ from k2jax.ops.paged import TRASH_PAGE, quantize_latents
 from k2jax.ops.quant import materialize
 
 _NEG_INF = -1e30
-VISIT_KEYS = 256  # cached keys an online-softmax visit reads per row (whole pages: at least one)
+# Cached keys an online-softmax visit reads per row (whole pages: at least one), for a decode token and for a
+# chunk block (bench config, XLA:CPU: 8 rows decoding over 2048 cached keys 71 -> 52 ms with 512 rather than
+# 256; a 512-token chunk over 3584 was slower with 512 or 1024, its intermediates being G times larger).
+DECODE_VISIT_KEYS = 512
+CHUNK_VISIT_KEYS = 256
+CHUNK_TILE = 256  # new tokens per query and key tile in the chunk region (whole blocks)
 
 
 @jax.tree_util.register_dataclass
@@ -130,22 +135,31 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
     assert D + M * G == T, f"{T} tokens are not {D} decode tokens and whole blocks of {G}"
     pool = (pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt)
     outs = []
+    outs = []  # each region's normalised outputs [tokens, N, V], float32
     if D:  # one token per row: its cached keys, then itself
         q = (q_lat_TNR[:D, None], q_pe_TNP[:D, None])
-        st = _over_cache(*q, row_T[:D], valid_T[:D], *pool)
+        st = _over_cache(*q, row_T[:D], valid_T[:D], *pool, DECODE_VISIT_KEYS)
         s_D1N1 = _scores(*q, ckv_TR[:D, None], k_pe_TP[:D, None])
-        outs.append(_update(st, s_D1N1, valid_T[:D, None, None, None], ckv_TR[:D, None], dt))
-    if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each one
+        m, l, acc = (x[:, 0] for x in _update(st, s_D1N1, valid_T[:D, None, None, None], ckv_TR[:D, None], dt))
+        o_lat_DNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
+        outs.append(jnp.einsum("DNR,RNV->DNV", o_lat_DNR, w_uv_RNV, preferred_element_type=f32))
+    if M:  # blocks of one row's tokens: its cached keys (absorbed), then its new tokens up to each (expanded)
         def blocks(x):
             return x[D:].reshape((M, G) + x.shape[1:])
 
-        q = (blocks(q_lat_TNR), blocks(q_pe_TNP))
         row_M = row_T[D::G]
-        st = _over_cache(*q, row_M, blocks(valid_T).any(1), *pool)
-        outs.append(_over_chunk(*q, blocks(ckv_TR), blocks(k_pe_TP), row_M, blocks(pos_T), blocks(valid_T), st, dt))
-    m, l, acc = (jnp.concatenate([o[i].reshape((-1,) + o[i].shape[2:]) for o in outs]) for i in range(3))
-    o_lat_TNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
-    return jnp.einsum("TNR,RNV->TNV", o_lat_TNR, w_uv_RNV, preferred_element_type=f32).astype(dt)
+        m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in _over_cache(
+            blocks(q_lat_TNR), blocks(q_pe_TNP), row_M, blocks(valid_T).any(1), *pool, CHUNK_VISIT_KEYS))
+        q_nope_TNK = (q_nope_TNK[D:].astype(f32) * scale).astype(dt)
+        m2, l2, acc2 = _over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_kv_b_RNX, row_M,
+                                   pos_T[D:], valid_T[D:], G, dt)
+        # The two softmax parts over disjoint keys, merged: W_UV takes the cached part's latent sum to values.
+        m = jnp.maximum(m1, m2)
+        a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+        acc1_TNV = jnp.einsum("TNR,RNV->TNV", acc1.astype(dt), w_uv_RNV, preferred_element_type=f32)
+        l = a1 * l1 + a2 * l2
+        outs.append((a1[..., None] * acc1_TNV + a2[..., None] * acc2) / jnp.where(l > 0, l, 1.0)[..., None])
+    return jnp.concatenate(outs).astype(dt)
 
 
 def _scores(q_lat_MgNR, q_pe_MgNP, ckv_MZR, k_pe_MZP):
@@ -166,13 +180,14 @@ def _update(state, s_MgNZ, see_MgNZ, ckv_MZR, dt):
     return m_new, l * corr + p_MgNZ.sum(-1), acc * corr[..., None] + pv_MgNR
 
 
-def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt):
+def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad,
+                dt, visit_keys: int):
     """The online-softmax state of each query group after its row's cached keys (positions < lengths[row]),
-    read VISIT_KEYS at a time (whole pages) for as many visits as the step's longest live row needs."""
+    read visit_keys at a time (whole pages) for as many visits as the step's longest live row needs."""
     M, g, N, _ = q_lat_MgNR.shape
     Y = pages_LAYC.shape[2]
     C = pages_LAYC.shape[-1] - pad
-    v = max(1, VISIT_KEYS // Y)  # pages per visit
+    v = max(1, visit_keys // Y)  # pages per visit
     W = table_BW.shape[1]
     table_MW = jnp.pad(table_BW, [(0, 0), (0, -W % v)], constant_values=TRASH_PAGE)[row_M]
     len_M = jnp.where(live_M, lengths_B[row_M], 0)
@@ -197,22 +212,58 @@ def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, l
     return jax.lax.fori_loop(0, visits, visit, init)
 
 
-def _over_chunk(q_lat_MGNR, q_pe_MGNP, ckv_MGR, k_pe_MGP, row_M, pos_MG, valid_MG, state, dt):
-    """The state after each block's own row's new tokens up to each query's position: block i visits
-    blocks first(i)..i, the row's blocks before it and itself (a row's blocks are consecutive)."""
-    M = row_M.shape[0]
+def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T, valid_T, G: int, dt):
+    """The chunk region's attention over its own new tokens, keys and values expanded per head (for many
+    queries per key that is the cheaper form: K + P + V per query, key and head, against 2R + P absorbed):
+    -> the online-softmax state (m, l [T, N], acc [T, N, V]) after each query's row's new tokens up to its
+    position. Visited in tiles of CHUNK_TILE tokens (whole blocks): query tile i visits key tiles from the
+    one holding its first row's first block up to itself (a row's blocks are consecutive; keys of other rows
+    are masked), so a long chunk runs as a few large products and tiles of earlier rows are skipped.
+    q_nope [T, N, K] and q_pe [T, N, P] scaled; ckv [T, R]; k_pe [T, P]; row_M the blocks' rows."""
+    Tc, N, K = q_nope_TNK.shape
+    M = Tc // G
+    Q = min(Tc, max(G, CHUNK_TILE // G * G))
+    while Tc % Q:  # whole blocks per tile, whole tiles per region
+        Q -= G
+    n = Tc // Q
+    f32 = jnp.float32
+    # Head-major ([N, T, ...]): each product is then one batched matmul with the heads leading (XLA:CPU
+    # runs heads in the middle as many small products; see k2jax.ops.attention.attend_expanded).
+    kv_NTX = jnp.einsum("TR,RNX->NTX", ckv_TR, w_kv_b_RNX, preferred_element_type=f32).astype(dt)
+
+    def tiles(x):  # [N, T, ...] -> [n, N, Q, ...]
+        return jnp.moveaxis(x.reshape((x.shape[0], n, Q) + x.shape[2:]), 1, 0)
+
+    q_nope, q_pe, k_nope, v = (tiles(x) for x in (q_nope_TNK.transpose(1, 0, 2), q_pe_TNP.transpose(1, 0, 2),
+                                                  kv_NTX[..., :K], kv_NTX[..., K:]))
+    k_pe = k_pe_TP.reshape(n, Q, -1)
+
+    def flat_tiles(x):
+        return x.reshape((n, Q) + x.shape[1:])
+
+    row_nQ, pos_nQ, valid_nQ = flat_tiles(jnp.repeat(row_M, G)), flat_tiles(pos_T), flat_tiles(valid_T)
     first_M = jnp.argmax(row_M[None, :] == row_M[:, None], axis=1)  # each block's row's first block
-    first_M = jnp.where(valid_MG.any(1), first_M, M)  # a padding block visits nothing
+    lo_n = (first_M[::Q // G] * G) // Q  # the key tile of each query tile's first row's first block
+    lo_n = jnp.where(valid_nQ.any(1), lo_n, n)  # a padding tile visits nothing
 
-    def one_block(args):
-        i, st = args
-
+    def one_tile(i):
         def visit(j, st):
-            see_GG = valid_MG[j][None, :] & (pos_MG[j][None, :] <= pos_MG[i][:, None])
-            s = _scores(q_lat_MGNR[i][None], q_pe_MGNP[i][None], ckv_MGR[j][None], k_pe_MGP[j][None])
-            st1 = _update(tuple(x[None] for x in st), s, see_GG[None, :, None, :], ckv_MGR[j][None], dt)
-            return tuple(x[0] for x in st1)
+            m, l, acc = st
+            s_NQZ = (jnp.einsum("NQK,NZK->NQZ", q_nope[i], k_nope[j], preferred_element_type=f32)
+                     + jnp.einsum("NQP,ZP->NQZ", q_pe[i], k_pe[j], preferred_element_type=f32))
+            see_1QZ = (valid_nQ[j][None, :] & (row_nQ[j][None, :] == row_nQ[i][:, None])
+                       & (pos_nQ[j][None, :] <= pos_nQ[i][:, None]))[None]
+            s_NQZ = jnp.where(see_1QZ, s_NQZ, _NEG_INF)
+            m_new = jnp.maximum(m, s_NQZ.max(-1))
+            p_NQZ = jnp.where(see_1QZ, jnp.exp(s_NQZ - m_new[..., None]), 0.0)
+            corr = jnp.exp(m - m_new)
+            pv_NQV = jnp.einsum("NQZ,NZV->NQV", p_NQZ.astype(dt), v[j], preferred_element_type=f32)
+            return m_new, l * corr + p_NQZ.sum(-1), acc * corr[..., None] + pv_NQV
 
-        return jax.lax.fori_loop(first_M[i], i + 1, visit, st)
+        V = v.shape[-1]
+        init = (jnp.full((N, Q), _NEG_INF, f32), jnp.zeros((N, Q), f32), jnp.zeros((N, Q, V), f32))
+        return jax.lax.fori_loop(lo_n[i], i + 1, visit, init)
 
-    return jax.lax.map(one_block, (jnp.arange(M), state))
+    m, l, acc = jax.lax.map(one_tile, jnp.arange(n))  # [n, N, Q, ...]
+    return (jnp.moveaxis(m, 1, 2).reshape(Tc, N), jnp.moveaxis(l, 1, 2).reshape(Tc, N),
+            jnp.moveaxis(acc, 1, 2).reshape(Tc, N, -1))

@@ -28,11 +28,12 @@ import numpy as np
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import data_shards, pool_tokens
-from k2jax.runtime.runner import Runner, host_batch
+from k2jax.runtime.layout import DEFAULT_BLOCK
+from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
-from k2jax.runtime.scheduler import Call, Scheduler, Seq
+from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
 from k2jax.sharding import use_mesh
 
 DEFAULT_PAGE_SIZE = 64
@@ -150,13 +151,17 @@ class Engine:
     the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
     prefill_chunk tokens (planned to STALL_FILL of it; see k2jax.runtime.scheduler), in powers of two down
     to `min_chunk` tokens (or an eighth of prefill_chunk); False: chunks of prefill_chunk whatever they
-    cost."""
+    cost. `ragged` (default: on one device, no mesh): each engine step is one ragged step (k2jax.ops.ragged)
+    over every decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes)
+    tokens, in a handful of programs whatever the cache lengths; the stall bound does not apply (a step's
+    chunk tokens are bounded instead). False: the rectangular steps (one per chunk, and one decode)."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
-                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
+                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64,
+                 ragged: bool | None = None):
         if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
                 or (idle_chunk is not None and idle_chunk < 1)):
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
@@ -181,8 +186,12 @@ class Engine:
         self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=page_size,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
+        self.ragged = mesh is None if ragged is None else ragged
+        if self.ragged and mesh is not None:
+            raise ValueError("ragged steps run on one device; on a mesh the engine takes rectangular steps")
         self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
-                               stall_bound=stall_bound, min_chunk=min_chunk)
+                               stall_bound=stall_bound, min_chunk=min_chunk,
+                               ragged_block=DEFAULT_BLOCK if self.ragged else None)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []
@@ -269,6 +278,16 @@ class Engine:
         """The mesh context the steps are traced under. Thread-local: entered on the thread that steps."""
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
 
+    def programs_cause(self) -> str:
+        """Why the engine compiles the programs it does, in words (the start-up log)."""
+        s = self.sched
+        if self.ragged:
+            return (f"ragged steps: {len(s.decode_sizes)} decode-only sizes up to the {self.max_batch} slots and "
+                    f"{len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens")
+        return (f"rectangular steps: decodes over {len(s.row_buckets)} row buckets x {len(s.read_buckets) - 1} cache "
+                f"reads, first chunks of {len(s.chunk_sizes)} sizes, and later chunks of {len(s.later_sizes)} sizes x "
+                f"{len(s.read_buckets) - 1} cache reads")
+
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None,
                 note: Callable[[str], None] | None = None) -> float:
         """Compile every step the scheduler can ask for, then (stall_bound) time the steps it weighs;
@@ -278,12 +297,9 @@ class Engine:
 
         def report(shape):
             if progress is not None:
-                what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
-                        f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
                 with lock:
                     begun[0] += 1
-                    progress(begun[0], len(set(shapes)), f"{what}, reading {shape.read_pages * self.pool.page_size} "
-                                                         f"cached tokens")
+                    progress(begun[0], len(set(shapes)), describe(shape, self.pool.page_size))
 
         t0 = time.perf_counter()
         with self._context():
@@ -301,7 +317,7 @@ class Engine:
         shapes = sorted(shapes)
         times, rng = [], np.random.default_rng(0)
         for shape in shapes:
-            batch = host_batch(shape, self.model.cfg.vocab_size)
+            batch = neutral_batch(shape, self.model.cfg.vocab_size)
             # Tokens spread over the vocabulary, so the router spreads them over the experts as real text
             # does (one id repeated would send every token to the same few); count 0: nothing is written.
             batch["tokens"][:] = rng.integers(0, self.model.cfg.vocab_size, batch["tokens"].shape)
@@ -392,9 +408,13 @@ class Engine:
         self._gauges()
         t0 = time.perf_counter()
         done = []
-        for call in self.sched.plan():
-            batch = host_batch(call.shape, self.model.cfg.vocab_size)
-            self.sched.inputs(call, batch)
+        calls = [c for c in [self.sched.plan_ragged()] if c is not None] if self.ragged else self.sched.plan()
+        for call in calls:
+            batch = neutral_batch(call.shape, self.model.cfg.vocab_size)
+            if isinstance(call, RaggedCall):
+                self.sched.ragged_inputs(call, batch)
+            else:
+                self.sched.inputs(call, batch)
             self._sampling(call, batch)
             scored = self._targets(call, batch)
             done.append((call, self.runner.step(call.shape, batch), scored))
@@ -426,8 +446,13 @@ class Engine:
                 continue
             lo, hi = max(seq.cached, len(seq.req.prompt_lp)), min(seq.cached + n, seq.prompt_len - 1)
             if hi > lo:
-                batch["targets"][i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
-                scored.append((i, seq.req, lo, hi, seq.cached))
+                # (row, offset): a rectangular step's targets are [B, T]; a ragged one's are flat [T]
+                at = (i, 0) if isinstance(call, Call) else (None, call.starts[i])
+                if at[0] is None:
+                    batch["targets"][at[1] + lo - seq.cached:at[1] + hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                else:
+                    batch["targets"][i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                scored.append((at, seq.req, lo, hi, seq.cached))
         return scored
 
     def _take_scores(self, out: dict, scored: list[tuple]) -> None:
@@ -435,14 +460,14 @@ class Engine:
         if not scored:
             return
         got = {k: _host(out["prompt_" + k]) for k in ("logprob", "rank", "top_ids", "top_logprobs")}
-        for i, r, lo, hi, start in scored:
+        for (i, offset), r, lo, hi, start in scored:
             k = r.params.prompt_logprobs
             for p in range(lo, hi):
-                t = p - start
-                r.prompt_lp.append({"token_id": int(r.prompt[p + 1]), "logprob": float(got["logprob"][i, t]),
-                                    "rank": int(got["rank"][i, t]),
-                                    "top": [[int(a), float(b)] for a, b in zip(got["top_ids"][i, t, :k],
-                                                                              got["top_logprobs"][i, t, :k])]})
+                t = (p - start + offset,) if i is None else (i, p - start)
+                r.prompt_lp.append({"token_id": int(r.prompt[p + 1]), "logprob": float(got["logprob"][t]),
+                                    "rank": int(got["rank"][t]),
+                                    "top": [[int(a), float(b)] for a, b in zip(got["top_ids"][t][:k],
+                                                                              got["top_logprobs"][t][:k])]})
 
     def _prompt_logprobs(self, r: Request) -> list[dict] | None:
         """r's prompt scores, on the first event after its prompt (None on the others, or when not asked)."""
@@ -536,6 +561,18 @@ class Engine:
         m.pages_in_use, m.pages_free, m.pages_cached = pool.in_use_count(), pool.free_count(), pool.cached_count()
         m.cache_usage = m.pages_in_use / max(m.pages_total, 1)
         m.preemptions = self.sched.preemptions
+
+
+def describe(shape, page_size: int) -> str:
+    """A step program in words, for the start-up log."""
+    if hasattr(shape, "decode"):  # a RaggedShape
+        if shape.blocks == 0:
+            return f"ragged step: {shape.decode} decoding rows"
+        return (f"ragged step: {shape.decode} decoding rows and {shape.blocks * shape.block} prompt-chunk tokens "
+                f"(blocks of {shape.block})")
+    what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
+            f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
+    return f"{what}, reading {shape.read_pages * page_size} cached tokens"
 
 
 def round_up_slots(max_batch: int, mesh) -> int:

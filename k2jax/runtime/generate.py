@@ -1,11 +1,13 @@
 """Batched generation: a loop over the runtime's steps (k2jax.runtime.runner), the same jitted steps and
 paged cache the server runs.
 
-Each row gets its own contiguous pages for max_len tokens. The prompts are prefilled in one step (right
-padded to a bucket of their longest, T = the bucket: no cache to read yet), then one token per row per step,
-each step reading the pages its rows hold so far (a power-of-two bucket of pages: a few programs, each
-compiled once per set-up). The loop stays on the device: the host fetches tokens only to stream them
-(`on_token`) or, every 8 steps, to see whether every row has stopped.
+Each row gets its own contiguous pages for max_len tokens. On one device the steps are ragged
+(k2jax.ops.ragged): the prompts are prefilled in one step (each in whole blocks of a flat batch, its size a
+power of two), then one token per row per step in one program whatever the rows hold. On a mesh they are
+rectangular: the prompts right-padded to a bucket of their longest, then decode steps each reading the
+pages its rows hold so far (a power-of-two bucket of pages). Each program compiles once per set-up. The
+loop stays on the device: the host fetches tokens only to stream them (`on_token`) or, every 8 steps, to
+see whether every row has stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards
-from k2jax.runtime.runner import Runner, StepShape, host_batch
+from k2jax.runtime.layout import DEFAULT_BLOCK, Feed, RaggedShape, StepShape, blocks_for, lay_out
+from k2jax.runtime.runner import Runner, host_batch, ragged_host_batch
 from k2jax.nn.model import K2Model
 
 MIN_BUCKET = 16
@@ -89,24 +92,41 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     row = np.arange(B)[:, None]
     table = ((row // per) * (1 + per * W) + 1 + (row % per) * W + np.arange(W)[None, :]).astype(np.int32)
 
-    prefill = StepShape(B, T, 0, W)
-    batch = host_batch(prefill, cfg.vocab_size)
-    for b, p in enumerate(prompts):
-        batch["tokens"][b, :len(p)] = p
+    ragged = mesh is None
+    if ragged:
+        G = DEFAULT_BLOCK
+        region = bucket_length(sum(blocks_for(int(n), G) for n in lens) * G)
+        prefill = RaggedShape(0, region // G, G, B, W)
+        batch = ragged_host_batch(prefill, cfg.vocab_size)
+        batch |= lay_out(prefill, {b: Feed(tuple(p), 0, tuple(table[b])) for b, p in enumerate(prompts)})
+        starts = batch["last"] - lens + 1
         if prompt_logprobs is not None:  # each prompt token's successor
-            batch["targets"][b, :len(p) - 1] = p[1:]
-    batch |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
-              "reset": np.ones(B, bool)}
+            for b, p in enumerate(prompts):
+                batch["targets"][starts[b]:starts[b] + len(p) - 1] = p[1:]
+        batch |= {"prompt_len": lens, "reset": np.ones(B, bool)}
+    else:
+        prefill = StepShape(B, T, 0, W)
+        batch = host_batch(prefill, cfg.vocab_size)
+        for b, p in enumerate(prompts):
+            batch["tokens"][b, :len(p)] = p
+            if prompt_logprobs is not None:  # each prompt token's successor
+                batch["targets"][b, :len(p) - 1] = p[1:]
+        batch |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
+                  "reset": np.ones(B, bool)}
     for b in range(B):
         sampling.set_row(batch["samp"], b, temperature=temperature, top_k=top_k or 0,
                          top_p=1.0 if top_p is None else top_p, seed=(seed + b) % 2**32)
     stop = np.asarray(stop_tokens or (-1,), np.int32)
-    shapes = [prefill] + [StepShape(B, 1, w, W) for w in _read_buckets(W)]
+    if ragged:  # one token per row, its own row: the decode region
+        shapes = [prefill, RaggedShape(B, 0, G, B, W)]
+    else:
+        shapes = [prefill] + [StepShape(B, 1, w, W) for w in _read_buckets(W)]
     t0 = time.perf_counter()
     runner.compile(shapes)
     t1 = time.perf_counter()
     out = runner.step(prefill, batch)
-    scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs)
+    scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs,
+                                                                 starts if ragged else None)
     tokens = [out["tokens"]]
     done = jnp.isin(out["tokens"], stop)
     if on_token is not None or max_new_tokens == 1:
@@ -115,19 +135,28 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     if on_token is not None:
         on_token(_host(out["tokens"]), np.ones(B, bool))
     steps, active = 0, np.ones(B, bool)
-    decode = {k: v for k, v in batch.items() if k not in ("tokens", "table", "targets")} | {"table": table}
-    decode["targets"] = np.full((B, 1), -1, np.int32)
-    decode |= {"count": np.ones(B, np.int32), "reset": np.zeros(B, bool)}
+    if ragged:
+        decode = ragged_host_batch(shapes[1], cfg.vocab_size) | {"samp": batch["samp"], "prompt_len": lens}
+        decode |= {"table": table, "row": np.arange(B, dtype=np.int32), "valid": np.ones(B, bool),
+                   "last": np.arange(B, dtype=np.int32), "count": np.ones(B, np.int32)}
+    else:
+        decode = {k: v for k, v in batch.items() if k not in ("tokens", "table", "targets")} | {"table": table}
+        decode["targets"] = np.full((B, 1), -1, np.int32)
+        decode |= {"count": np.ones(B, np.int32), "reset": np.zeros(B, bool)}
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
             active = ~_host(done)
             if not active.any():
                 break
         held = int(lens.max()) + step - 1  # tokens each row holds before this step (the longest row)
-        shape = StepShape(B, 1, next(w for w in _read_buckets(W) if w * page_size >= held), W)
         decode["lengths"] = lens + step - 1
         decode["samp"] = dict(decode["samp"], step=np.full(B, step, np.int32))
-        decode["tokens"] = out["tokens"][:, None]
+        if ragged:
+            shape = shapes[1]
+            decode["pos"], decode["tokens"] = decode["lengths"], out["tokens"]
+        else:
+            shape = StepShape(B, 1, next(w for w in _read_buckets(W) if w * page_size >= held), W)
+            decode["tokens"] = out["tokens"][:, None]
         out = runner.step(shape, decode)
         token = jnp.where(done, PAD_ID, out["tokens"])
         tokens.append(token)
@@ -149,13 +178,17 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     return (result, lengths) if scores is None else (result, lengths, scores)
 
 
-def _prompt_scores(out: dict, lens: np.ndarray, k: int) -> dict:
+def _prompt_scores(out: dict, lens: np.ndarray, k: int, starts=None) -> dict:
     """The prefill step's prompt_* outputs as generate returns them: shifted so that entry p scores prompt
-    token p (position p - 1 predicts it), NaN / 0 where there is none."""
+    token p (position p - 1 predicts it), NaN / 0 where there is none. starts: a ragged step's, each row's
+    first flat token (its scores are per flat token), else None ([B, T] scores)."""
     B, P = len(lens), int(lens.max())
     res = {"logprob": np.full((B, P), np.nan, np.float32), "rank": np.zeros((B, P), np.int32),
            "top_ids": np.full((B, P, k), -1, np.int32), "top_logprobs": np.full((B, P, k), np.nan, np.float32)}
     got = {name: _host(out["prompt_" + name]) for name in res}
+    if starts is not None:  # rows out of the flat batch, [B, P]
+        at_BP = np.minimum(starts[:, None] + np.arange(P)[None, :], len(got["logprob"]) - 1)
+        got = {name: v[at_BP] for name, v in got.items()}
     for b, n in enumerate(lens):
         res["logprob"][b, 1:n] = got["logprob"][b, :n - 1]
         res["rank"][b, 1:n] = got["rank"][b, :n - 1]

@@ -12,6 +12,10 @@ What the step computes follows from its shapes: rows B, tokens per row T
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
 
+A ragged step (a k2jax.runtime.layout.RaggedShape, on one device) takes instead one flat batch of every row's
+new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens, the chunk blocks and
+the rows, and one program serves every cache length (ragged_host_batch lists its inputs).
+
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
 prompt-token mask [slots, V] bool for the penalties.
 
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import math
 import os
 import time
@@ -39,17 +42,9 @@ from k2jax.runtime.cache import empty_pool, lane, pool_shapes, pool_sharding, ro
 from k2jax.nn.model import HIDDEN, K2Model, expert_views
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
+from k2jax.ops.ragged import RaggedCache
+from k2jax.runtime.layout import RaggedShape, StepShape
 from k2jax.sharding import per_shard, split_axes, use_mesh
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class StepShape:
-    """The static shape of a step: rows, tokens per row, pages read per row, page-table width."""
-
-    rows: int
-    tokens: int
-    read_pages: int
-    table_pages: int
 
 
 def host_batch(shape: StepShape, vocab_size: int) -> dict:
@@ -60,6 +55,24 @@ def host_batch(shape: StepShape, vocab_size: int) -> dict:
             "lengths": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32), "reset": np.zeros(B, bool),
             "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32), "samp": sampling.default_rows(B),
             "targets": np.full((B, shape.tokens), -1, np.int32)}
+
+
+def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> dict:
+    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows): per
+    flat token tokens, row, pos, valid, targets [T] (k2jax.runtime.layout.lay_out's), per row (= slot) table
+    [B, W], lengths, count, last, prompt_len [B], reset [B], bitmask and samp as host_batch's."""
+    T, B = shape.tokens, shape.rows
+    return {"tokens": np.zeros(T, np.int32), "row": np.zeros(T, np.int32), "pos": np.zeros(T, np.int32),
+            "valid": np.zeros(T, bool), "targets": np.full(T, -1, np.int32),
+            "table": np.zeros((B, shape.table_pages), np.int32), "lengths": np.zeros(B, np.int32),
+            "count": np.zeros(B, np.int32), "last": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32),
+            "reset": np.zeros(B, bool), "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32),
+            "samp": sampling.default_rows(B)}
+
+
+def neutral_batch(shape, vocab_size: int) -> dict:
+    """host_batch or ragged_host_batch, as the shape's kind says."""
+    return (ragged_host_batch if isinstance(shape, RaggedShape) else host_batch)(shape, vocab_size)
 
 
 class Runner:
@@ -122,6 +135,24 @@ class Runner:
         counts, seen = self._write_rows(state, batch["slot"], write_B, counts_BV, seen_BV)
         return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out | scores
 
+    def _ragged(self, params, state, batch, shape: RaggedShape):
+        """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
+        prompt scores per flat token [T]."""
+        row_T, tok_T, valid_T = batch["row"], batch["tokens"], batch["valid"]
+        cache = RaggedCache(state["pages"], state["scales"], batch["table"], batch["lengths"], row_T,
+                            batch["pos"], valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad)
+        (logits_1BV, cache), sown = self.model.apply({"params": params}, tok_T[None], None, valid_T[None], cache,
+                                                     batch["last"][None], mutable=[HIDDEN])
+        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch["targets"][None])
+        scores = {k: v[0] for k, v in scores.items()}
+        keep_B1 = ~batch["reset"][:, None]
+        counts_BV, seen_BV = state["counts"] * keep_B1, state["seen"] & keep_B1
+        in_prompt_T = valid_T & (batch["pos"] < batch["prompt_len"][row_T])
+        seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
+        counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
+        out = sampling.sample_rows(logits_1BV[0], batch["samp"], counts_BV, seen_BV, batch["bitmask"])
+        return {"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV}, out | scores
+
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
         """The prompt_* outputs (see `step`): computed only when some row has a target."""
         head_DV = params["embed_tokens"].T if self.cfg.tie_word_embeddings else params["lm_head"]
@@ -166,6 +197,8 @@ class Runner:
         """The batch's input shardings: per-row arrays split like the rows (or replicated)."""
         if self.mesh is None:
             return None
+        if isinstance(shape, RaggedShape):
+            raise ValueError("a ragged step runs on one device: on a mesh the steps are StepShapes")
         axes = tuple(a for a in self.shard_axes) if shape.rows % self.shards == 0 else ()
         row = NamedSharding(self.mesh, PartitionSpec(axes or None))
         return jax.tree.map(lambda _: row, host_batch(shape, self.cfg.vocab_size))
@@ -173,7 +206,7 @@ class Runner:
     def batch_shapes(self, shape: StepShape) -> dict:
         """The step's inputs for `shape` (host_batch's tree) as jax.ShapeDtypeStructs, with the shardings the
         step takes them in on a mesh."""
-        batch = host_batch(shape, self.cfg.vocab_size)
+        batch = neutral_batch(shape, self.cfg.vocab_size)
         sh = self._shardings(shape)
         if sh is None:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
@@ -188,7 +221,12 @@ class Runner:
         # placement, which the next step's executable would not accept) and the sampled outputs replicated.
         out = {} if self.mesh is None else {"out_shardings": (jax.tree.map(lambda x: x.sharding, state),
                                                               NamedSharding(self.mesh, PartitionSpec()))}
-        fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), **out)
+        if isinstance(shape, RaggedShape):
+            if shape.rows != self.slots:
+                raise ValueError(f"a ragged step's rows are the {self.slots} slots, not {shape.rows}")
+            fn = jax.jit(lambda p, s, b: self._ragged(p, s, b, shape), donate_argnums=(1,), **out)
+        else:
+            fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), **out)
         with self._context():
             return fn.lower(params, state, batch)
 
@@ -213,8 +251,9 @@ class Runner:
                     on_progress(i, len(todo), futures[f])
         return time.perf_counter() - t0
 
-    def step(self, shape: StepShape, batch: dict) -> dict:
-        """Run one step of `shape` on host inputs (see host_batch) -> device outputs {"tokens" [B], "logprob"
+    def step(self, shape: StepShape | RaggedShape, batch: dict) -> dict:
+        """Run one step of `shape` on host inputs (see host_batch; ragged_host_batch for a RaggedShape, whose
+        prompt scores are per flat token [T]) -> device outputs {"tokens" [B], "logprob"
         [B], "top_ids", "top_logprobs" [B, sampling.MAX_TOP_LOGPROBS]} and the scores of the batch's
         `targets` [B, T] (the token each fed token predicts: a prompt's next one; -1 = none): "prompt_logprob"
         [B, T], "prompt_rank" [B, T], "prompt_top_ids", "prompt_top_logprobs" [B, T, MAX_TOP_LOGPROBS], from

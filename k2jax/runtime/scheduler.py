@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from k2jax.runtime.runner import StepShape
 from k2jax.runtime.pages import PagePool
+from k2jax.runtime.layout import Feed, RaggedShape, StepShape, blocks_for, lay_out, place
 
 _ORDER = itertools.count()
 
@@ -92,6 +92,20 @@ class Call:
         self.samples = [s is not None and s.cached + n == len(s.tokens) for s, n in self.rows]
 
 
+@dataclasses.dataclass
+class RaggedCall:
+    """One ragged step (k2jax.runtime.layout): its shape and, per slot (row b is slot b), (sequence or None,
+    tokens fed); `starts` (set by Scheduler.ragged_inputs) gives each fed row's first flat token."""
+
+    shape: RaggedShape
+    rows: list[tuple[Seq | None, int]]
+    samples: list[bool] = dataclasses.field(init=False)
+    starts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.samples = [s is not None and n > 0 and s.cached + n == len(s.tokens) for s, n in self.rows]
+
+
 def pow2_upto(n: int, lo: int = 1) -> list[int]:
     """Powers of two from lo below n, and n."""
     return sorted({min(n, 1 << i) for i in range(max(lo, 1).bit_length() - 1, n.bit_length() + 1)} | {n})
@@ -113,7 +127,8 @@ class Scheduler:
     prefill_chunk tokens whatever they cost."""
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
-                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64):
+                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64,
+                 ragged_block: int | None = None):
         self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
         self.idle = max(prefill_chunk, idle_chunk or prefill_chunk)
         self.shards = pool.shards
@@ -137,13 +152,28 @@ class Scheduler:
         self.later_sizes = sorted(set(small) | {self.idle})  # a later chunk's tokens
         self.stall_bound = stall_bound
         self.step_s: dict[StepShape, float] = {}
+        # Ragged steps (ragged_block = G tokens per chunk block): one step per engine step, its shape from
+        # decode sizes (powers of two from an eighth of the slots up to them) and chunk-region sizes (powers of two from 64 tokens up
+        # to idle_chunk, whole blocks), whatever the cache lengths.
+        self.block = ragged_block
+        if ragged_block is not None:
+            if self.shards != 1:
+                raise ValueError("ragged steps run on one data-parallel shard")
+            G = ragged_block
+            self.decode_sizes = pow2_upto(slots, lo=max(1, slots // 8))  # at most 4: a spare row costs little
+            top = -(-self.idle // G) * G
+            self.region_sizes = sorted({-(-t // G) * G for t in pow2_upto(top, lo=min(top, max(64, G)))})
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
         return min(self.max_pages, read + -(-tokens // self.page_size)) + 1
 
-    def shapes(self) -> list[StepShape]:
-        """Every shape `plan` can return."""
+    def shapes(self) -> list:
+        """Every shape `plan` (or `plan_ragged`) can return."""
+        if self.block is not None:
+            W, G = self.max_pages, self.block
+            return ([RaggedShape(d, 0, G, self.slots, W) for d in self.decode_sizes]
+                    + [RaggedShape(self.slots, t // G, G, self.slots, W) for t in self.region_sizes])
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
@@ -153,8 +183,8 @@ class Scheduler:
 
     def timed_shapes(self) -> list[StepShape]:
         """The shapes whose times the stall bound weighs (`step_s`): every decode, and one row's chunks of up
-        to prefill_chunk tokens."""
-        if not self.stall_bound:
+        to prefill_chunk tokens. None for ragged steps: a step's chunk tokens are bounded instead."""
+        if not self.stall_bound or self.block is not None:
             return []
         return [s for s in self.shapes() if s.tokens == 1 or (s.rows == 1 and s.tokens <= self._first_size())]
 
@@ -257,6 +287,54 @@ class Scheduler:
         if decoding:
             calls.append(self._decode_call(decoding))
         return calls
+
+    def plan_ragged(self) -> RaggedCall | None:
+        """The one ragged step of this engine step (None when nothing runs): every decoding row, and prompt
+        chunks first come first served, at most prefill_chunk tokens of them (idle_chunk while none decodes),
+        each chunk counted in whole blocks. Pages are taken first (preempting where none are left)."""
+        G = self.block
+        live = self.live()
+        decoding = [s for s in live if s.decoding]
+        prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
+        left = max(G, (self.chunk if decoding else self.idle) // G * G)
+        chunks = []
+        for s in prefilling:
+            n = min(s.pending, left)
+            if n <= 0:
+                break
+            chunks.append((s, n))
+            left -= blocks_for(n, G) * G
+            if n < s.pending:
+                break
+        for s, n in chunks + [(s, 1) for s in decoding]:
+            if s.slot >= 0:
+                self._grow(s, n)
+        fed = [(s, n) for s, n in chunks + [(s, 1) for s in decoding] if s.slot >= 0]
+        if not fed:
+            return None
+        rows: list[tuple[Seq | None, int]] = [(None, 0)] * self.slots
+        for s, n in fed:
+            rows[s.slot] = (s, n)
+        chunk_tokens = sum(blocks_for(n, G) * G for _, n in fed if n > 1)
+        W = self.max_pages
+        if chunk_tokens == 0:
+            shape = RaggedShape(bucket(len(fed), self.decode_sizes), 0, G, self.slots, W)
+        else:
+            shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots, W)
+        return RaggedCall(shape, rows)
+
+    def ragged_inputs(self, call: RaggedCall, batch: dict) -> None:
+        """Fill a ragged batch (k2jax.runtime.runner.ragged_host_batch) with the call's rows: the layout
+        (k2jax.runtime.layout.lay_out), prompt lengths and resets; sets call.starts."""
+        feeds = {b: Feed(tuple(s.tokens[s.cached:s.cached + n]), s.cached, tuple(s.pages))
+                 for b, (s, n) in enumerate(call.rows) if s is not None}
+        for k, v in lay_out(call.shape, feeds).items():
+            batch[k][...] = v
+        call.starts = {b: start for b, (_, start) in place(call.shape, feeds).items()}
+        for b, (s, _) in enumerate(call.rows):
+            if s is not None:
+                batch["prompt_len"][b] = s.prompt_len
+                batch["reset"][b] = s.new_slot
 
     def _decode_call(self, decoding: list[Seq]) -> Call:
         read = self._read_pages(max(s.cached for s in decoding))

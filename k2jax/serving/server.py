@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "also reads and attends over the whole cached prefix, and without the cut the decoding "
                         "requests wait up to about 2.5x as long per token while a long prompt prefills (at the cost "
                         "of more, smaller chunks for that prompt)")
+    p.add_argument("--step-layout", choices=("auto", "ragged", "rectangular"), default="auto",
+                   help="ragged: each engine step is one call over a flat batch of every decoding request's token "
+                        "and the prompt chunks that fit, in a handful of programs whatever the cache lengths (on "
+                        "one device). rectangular: one call per prompt chunk and one over the decoding rows, a "
+                        "program per (rows, tokens, cache read) bucket; the step times are weighed as "
+                        "--fixed-chunks says. auto (default): ragged on one device, rectangular on a mesh")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
                    help="an idle server waits up to this long after a request for others arriving with it, so a "
                         "burst is prefilled in one batch (a wait also ends when a quarter of it passes with no new "
@@ -352,15 +358,16 @@ def _run(args, sock) -> int:
                     page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
                     grammars=_grammars(tok, model.cfg, args.json_whitespace), idle_chunk=args.idle_prefill_chunk,
-                    stall_bound=not args.fixed_chunks)
+                    stall_bound=not args.fixed_chunks,
+                    ragged=None if args.step_layout == "auto" else args.step_layout == "ragged")
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     programs = len(set(engine.sched.shapes()))
     _check_map_count(programs, log)
-    log.info(f"warming up: tracing and compiling {programs} step programs, several at a time (a line as each "
-             f"begins), then timing the steps")
+    log.info(f"warming up: tracing and compiling {programs} step programs ({engine.programs_cause()}), several "
+             f"at a time (a line as each begins)")
     t_warm = time.perf_counter()
     compile_s = engine.warm_up(lambda k, n, what: log.info(f"compiling {k}/{n}: {what} (at "
                                                            f"{time.perf_counter() - t_warm:.1f} s)"), log.info)

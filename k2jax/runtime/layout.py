@@ -1,7 +1,7 @@
-"""Laying out a ragged step (k2jax.ops.ragged): which flat token belongs to which row, at which position.
-Plain numpy, no jax.
+"""The runner's step shapes, and laying out a ragged step (k2jax.ops.ragged): which flat token belongs to
+which row, at which position. Plain numpy, no jax: the scheduler plans with these.
 
-A step's static shape is RaggedShape: `decode` tokens of one row each, then `blocks` blocks of `block` tokens
+A rectangular step's static shape is StepShape (k2jax.runtime.runner). A ragged step's is RaggedShape: `decode` tokens of one row each, then `blocks` blocks of `block` tokens
 (each block one row's consecutive tokens), for `rows` rows with page tables `table_pages` wide. Whatever the
 mix of decoding rows and prompt chunks, a step takes the smallest shape that holds it, so a server compiles
 one program per shape, not per (rows, tokens, cache length).
@@ -14,6 +14,17 @@ import dataclasses
 import numpy as np
 
 TRASH_PAGE = 0  # k2jax.ops.paged.TRASH_PAGE
+DEFAULT_BLOCK = 16  # tokens per chunk block: a prompt chunk's padding is less than this
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class StepShape:
+    """The static shape of a rectangular step: rows, tokens per row, pages read per row, page-table width."""
+
+    rows: int
+    tokens: int
+    read_pages: int
+    table_pages: int
 
 
 @dataclasses.dataclass(frozen=True, order=True)
