@@ -40,6 +40,7 @@ _NEG_INF = -1e30
 DECODE_VISIT_KEYS = 512
 CHUNK_VISIT_KEYS = 256
 CHUNK_TILE = 256  # new tokens per query and key tile in the chunk region (whole blocks)
+UNROLL_TILES = 4  # up to this many tiles, each query tile takes its keys in one product (no loop)
 
 
 @jax.tree_util.register_dataclass
@@ -245,6 +246,22 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
     first_M = jnp.argmax(row_M[None, :] == row_M[:, None], axis=1)  # each block's row's first block
     lo_n = (first_M[::Q // G] * G) // Q  # the key tile of each query tile's first row's first block
     lo_n = jnp.where(valid_nQ.any(1), lo_n, n)  # a padding tile visits nothing
+
+    if n <= UNROLL_TILES:  # a short region: each query tile against every key up to its end, one product each
+        outs = []
+        for i in range(n):
+            end = (i + 1) * Q
+            s_NQS = (jnp.einsum("NQK,NSK->NQS", q_nope[i], kv_NTX[:, :end, :K], preferred_element_type=f32)
+                     + jnp.einsum("NQP,SP->NQS", q_pe[i], k_pe_TP[:end], preferred_element_type=f32))
+            see_1QS = (valid_T[None, :end] & (jnp.repeat(row_M, G)[None, :end] == row_nQ[i][:, None])
+                       & (pos_T[None, :end] <= pos_nQ[i][:, None]))[None]
+            s_NQS = jnp.where(see_1QS, s_NQS, _NEG_INF)
+            m_NQ = s_NQS.max(-1)
+            p_NQS = jnp.where(see_1QS, jnp.exp(s_NQS - m_NQ[..., None]), 0.0)
+            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS.astype(dt), kv_NTX[:, :end, K:], preferred_element_type=f32)
+            outs.append((m_NQ, p_NQS.sum(-1), acc_NQV))
+        m, l, acc = (jnp.concatenate([o[k] for o in outs], 1) for k in range(3))  # [N, Tc, ...]
+        return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
     def one_tile(i):
         def visit(j, st):

@@ -1,7 +1,8 @@
 """Which rows run in the next engine step: admission to slots, prompt chunks, decodes, pages, preemption.
 
-Plain Python, no jax: it hands the engine `Call`s (the rows of one runner step and its shape) and takes back
-what each row sampled.
+Plain Python, no jax: it hands the engine `Call`s (the rows of one runner step and its shape), or with
+ragged steps one `RaggedCall` per engine step (`plan_ragged`: every decoding row and the prompt chunks that
+fit the step's token budget), and takes back what each row sampled.
 
 - A sequence is a request's tokens (prompt, then what it generated) and how many of them its pages hold
   (`cached`). Each step a row feeds the tokens its pages do not hold yet: its last sampled token (a decode

@@ -1,0 +1,71 @@
+"""The scheduler's ragged plan with fake sequences and a real page pool: no model, no device. Which rows a
+step takes, in which shape, and what each row feeds."""
+
+from k2jax.runtime.layout import RaggedShape
+from k2jax.runtime.pages import PagePool
+from k2jax.runtime.scheduler import Scheduler, Seq
+
+PAGE = 8
+
+
+def _sched(slots=4, pages=33, chunk=16, idle=32, block=4):
+    pool = PagePool(pages, 1, PAGE, False)
+    return Scheduler(slots, pool, max_len=64, prefill_chunk=chunk, idle_chunk=idle, ragged_block=block)
+
+
+def _seq(n, start=100):
+    return Seq(None, list(range(start, start + n)), n)
+
+
+def _ran(sched, call, sampled=7):
+    """The call ran: advance its rows, and each row that sampled gets a new token."""
+    sched.advance(call)
+    for (s, _), samples in zip(call.rows, call.samples):
+        if samples:
+            s.tokens.append(sampled)
+
+
+def test_prompts_share_a_step_within_the_idle_budget_then_decode_beside_the_next_prompt():
+    sched = _sched()
+    a, b, c = _seq(5), _seq(21), _seq(9)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    assert [s.slot for s in (a, b, c)] == [0, 1, 2]
+    call = sched.plan_ragged()
+    # 5 tokens take 2 blocks of 4, 21 take 6: the idle budget of 32 is spent, the third prompt waits
+    assert [(s, n) for s, n in call.rows] == [(a, 5), (b, 21), (None, 0), (None, 0)]
+    assert call.shape == RaggedShape(decode=4, blocks=8, block=4, rows=4, table_pages=8)
+    assert call.samples == [True, True, False, False]
+    _ran(sched, call)
+    assert a.decoding and b.decoding and a.cached == 5
+    call = sched.plan_ragged()  # both decode; the third prompt's 9 tokens fit prefill_chunk (16) beside them
+    assert [(s, n) for s, n in call.rows] == [(a, 1), (b, 1), (c, 9), (None, 0)]
+    assert call.shape == RaggedShape(decode=4, blocks=8, block=4, rows=4, table_pages=8)
+    _ran(sched, call)
+    call = sched.plan_ragged()  # three decoding rows: a decode-only step of the smallest size holding them
+    assert [n for _, n in call.rows] == [1, 1, 1, 0] and call.shape.blocks == 0 and call.shape.decode == 4
+    sched.finish(b)
+    sched.finish(c)
+    _ran(sched, call)
+    assert sched.plan_ragged().shape.decode == 1  # decode sizes from an eighth of the slots: 1, 2, 4
+
+
+def test_a_long_prompt_is_cut_to_the_budget_and_pages_are_taken_as_it_grows():
+    sched = _sched()
+    s = _seq(50)
+    sched.add(s)
+    sched.admit()
+    fed = []
+    while not s.decoding:
+        call = sched.plan_ragged()
+        fed.append(call.rows[0][1])
+        assert len(s.pages) * PAGE >= s.cached + call.rows[0][1]
+        _ran(sched, call)
+    assert fed == [32, 18]
+
+
+def test_nothing_to_run_is_no_step():
+    sched = _sched()
+    assert sched.plan_ragged() is None
+    assert len(set(sched.shapes())) == 3 + 1  # decode sizes 1, 2, 4; one chunk region of 32 tokens
