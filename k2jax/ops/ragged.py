@@ -26,11 +26,13 @@ chunk region), Z the keys one visit reads (visit_pages * Y).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from k2jax.ops.paged import TRASH_PAGE, quantize_latents
+from k2jax.ops.attention import absorbed_is_cheaper
 from k2jax.ops.quant import materialize
 
 _NEG_INF = -1e30
@@ -144,23 +146,42 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         m, l, acc = (x[:, 0] for x in _update(st, s_D1N1, valid_T[:D, None, None, None], ckv_TR[:D, None], dt))
         o_lat_DNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
         outs.append(jnp.einsum("DNR,RNV->DNV", o_lat_DNR, w_uv_RNV, preferred_element_type=f32))
-    if M:  # blocks of one row's tokens: its cached keys (absorbed), then its new tokens up to each (expanded)
+    if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each (expanded)
         def blocks(x):
             return x[D:].reshape((M, G) + x.shape[1:])
 
-        row_M = row_T[D::G]
-        m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in _over_cache(
-            blocks(q_lat_TNR), blocks(q_pe_TNP), row_M, blocks(valid_T).any(1), *pool, CHUNK_VISIT_KEYS))
+        row_M, live_M = row_T[D::G], blocks(valid_T).any(1)
         q_nope_TNK = (q_nope_TNK[D:].astype(f32) * scale).astype(dt)
-        m2, l2, acc2 = _over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_kv_b_RNX, row_M,
-                                   pos_T[D:], valid_T[D:], G, dt)
-        # The two softmax parts over disjoint keys, merged: W_UV takes the cached part's latent sum to values.
-        m = jnp.maximum(m1, m2)
-        a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-        acc1_TNV = jnp.einsum("TNR,RNV->TNV", acc1.astype(dt), w_uv_RNV, preferred_element_type=f32)
-        l = a1 * l1 + a2 * l2
-        outs.append((a1[..., None] * acc1_TNV + a2[..., None] * acc2) / jnp.where(l > 0, l, 1.0)[..., None])
+        parts = []  # (m, l [Tc, N], acc [Tc, N, V]) over disjoint keys
+        Q = _tile(M * G, G)
+        if absorbed_is_cheaper(Q, R, K, w_kv_b_RNX.shape[-1]):  # short tiles: every block's prefix absorbed
+            cached = live_M
+        else:  # each tile's first row reads its prefix expanded, once per tile; other rows' blocks absorbed
+            first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)
+            cached = live_M & ~first_M
+            parts.append(_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
+                                              row_M[::Q // G], Q, *pool, w_kv_b_RNX, CHUNK_VISIT_KEYS))
+        m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in _over_cache(
+            blocks(q_lat_TNR), blocks(q_pe_TNP), row_M, cached, *pool, CHUNK_VISIT_KEYS))
+        # W_UV takes the absorbed part's latent sum to values.
+        parts.append((m1, l1, jnp.einsum("TNR,RNV->TNV", acc1.astype(dt), w_uv_RNV, preferred_element_type=f32)))
+        parts.append(_over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_kv_b_RNX, row_M,
+                                 pos_T[D:], valid_T[D:], G, dt))
+        m = functools.reduce(jnp.maximum, [p[0] for p in parts])
+        a = [jnp.exp(p[0] - m) for p in parts]
+        l = sum(ai * p[1] for ai, p in zip(a, parts))
+        acc = sum(ai[..., None] * p[2] for ai, p in zip(a, parts))
+        outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
     return jnp.concatenate(outs).astype(dt)
+
+
+def _tile(Tc: int, G: int) -> int:
+    """Tokens per tile of a chunk region of Tc tokens in blocks of G: at most CHUNK_TILE, whole blocks, a
+    divisor of Tc."""
+    Q = min(Tc, max(G, CHUNK_TILE // G * G))
+    while Tc % Q:
+        Q -= G
+    return Q
 
 
 def _scores(q_lat_MgNR, q_pe_MgNP, ckv_MZR, k_pe_MZP):
@@ -196,21 +217,73 @@ def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, l
     f32 = jnp.float32
 
     def visit(i, state):
-        ids_Mv = jax.lax.dynamic_slice_in_dim(table_MW, i * v, v, axis=1)
-        x_MvYC = pages_LAYC[layer, ids_Mv][..., :C]  # a gather: the rows' pages of this visit only
-        if scales_LAY2 is None:
-            x_MvYC = x_MvYC.astype(dt)
-        else:
-            s_MvY2 = scales_LAY2[layer, ids_Mv]
-            x_MvYC = jnp.concatenate([x_MvYC[..., :R].astype(f32) * s_MvY2[..., :1],
-                                      x_MvYC[..., R:].astype(f32) * s_MvY2[..., 1:]], -1).astype(dt)
-        x_MZC = x_MvYC.reshape(M, v * Y, C)
+        x_MZC = _visit_keys(pages_LAYC, scales_LAY2, layer, table_MW, i, v, C, R, dt)
         see_MZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_M[:, None]
         s = _scores(q_lat_MgNR, q_pe_MgNP, x_MZC[..., :R], x_MZC[..., R:])
         return _update(state, s, see_MZ[:, None, None, :], x_MZC[..., :R], dt)
 
     init = (jnp.full((M, g, N), _NEG_INF, f32), jnp.zeros((M, g, N), f32), jnp.zeros((M, g, N, R), f32))
     return jax.lax.fori_loop(0, visits, visit, init)
+
+
+def _visit_keys(pages_LAYC, scales_LAY2, layer, table_xW, i, v: int, C: int, R: int, dt):
+    """Visit i's cached keys of each row of table_xW: its pages i*v .. i*v + v - 1 gathered (only those, not
+    the layer's pool) and dequantized -> [x, v * Y, C] in dt."""
+    ids_xv = jax.lax.dynamic_slice_in_dim(table_xW, i * v, v, axis=1)
+    x_xvYC = pages_LAYC[layer, ids_xv][..., :C]
+    if scales_LAY2 is None:
+        x_xvYC = x_xvYC.astype(dt)
+    else:
+        f32 = jnp.float32
+        s_xvY2 = scales_LAY2[layer, ids_xv]
+        x_xvYC = jnp.concatenate([x_xvYC[..., :R].astype(f32) * s_xvY2[..., :1],
+                                  x_xvYC[..., R:].astype(f32) * s_xvY2[..., 1:]], -1).astype(dt)
+    return x_xvYC.reshape(x_xvYC.shape[0], -1, C)
+
+
+def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAYC, scales_LAY2, layer,
+                         table_BW, lengths_B, R, pad, dt, w_kv_b_RNX, visit_keys: int):
+    """The chunk region's tiles of Q tokens over their first row's cached keys, expanded per head once per
+    tile and visit (for a long chunk the cheaper form, as in k2jax.ops.attention.attend): -> (m, l [T, N],
+    acc [T, N, V]) for the queries of query_T [T] (the tokens of their tile's first row), nothing seen for
+    the others. q_nope [T, N, K] and q_pe [T, N, P] scaled; row_n each tile's first row."""
+    Tc, N, K = q_nope_TNK.shape
+    n = Tc // Q
+    Y = pages_LAYC.shape[2]
+    C = pages_LAYC.shape[-1] - pad
+    v = max(1, visit_keys // Y)
+    W = table_BW.shape[1]
+    table_nW = jnp.pad(table_BW, [(0, 0), (0, -W % v)], constant_values=TRASH_PAGE)[row_n]
+    query_nQ = query_T.reshape(n, Q)
+    len_n = jnp.where(query_nQ.any(1), lengths_B[row_n], 0)
+    visits = (jnp.max(len_n, initial=0) + v * Y - 1) // (v * Y)
+    f32 = jnp.float32
+
+    def tiles(x):  # [T, N, ...] -> [n, N, Q, ...], head-major
+        return jnp.moveaxis(x.reshape((n, Q) + x.shape[1:]), 2, 1)
+
+    q_nope_nNQK, q_pe_nNQP = tiles(q_nope_TNK), tiles(q_pe_TNP)
+
+    def visit(i, st):
+        m, l, acc = st
+        x_nZC = _visit_keys(pages_LAYC, scales_LAY2, layer, table_nW, i, v, C, R, dt)
+        kv_nNZX = jnp.einsum("nZR,RNX->nNZX", x_nZC[..., :R], w_kv_b_RNX, preferred_element_type=f32).astype(dt)
+        s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, kv_nNZX[..., :K], preferred_element_type=f32)
+                  + jnp.einsum("nNQP,nZP->nNQZ", q_pe_nNQP, x_nZC[..., R:], preferred_element_type=f32))
+        see_nQZ = query_nQ[:, :, None] & ((i * v * Y + jnp.arange(v * Y))[None, :] < len_n[:, None])[:, None, :]
+        see = see_nQZ[:, None]
+        s_nNQZ = jnp.where(see, s_nNQZ, _NEG_INF)
+        m_new = jnp.maximum(m, s_nNQZ.max(-1))
+        p_nNQZ = jnp.where(see, jnp.exp(s_nNQZ - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("nNQZ,nNZV->nNQV", p_nNQZ.astype(dt), kv_nNZX[..., K:], preferred_element_type=f32)
+        return m_new, l * corr + p_nNQZ.sum(-1), acc * corr[..., None] + pv
+
+    V = w_kv_b_RNX.shape[-1] - K
+    init = (jnp.full((n, N, Q), _NEG_INF, f32), jnp.zeros((n, N, Q), f32), jnp.zeros((n, N, Q, V), f32))
+    m, l, acc = jax.lax.fori_loop(0, visits, visit, init)
+    return (jnp.moveaxis(m, 1, 2).reshape(Tc, N), jnp.moveaxis(l, 1, 2).reshape(Tc, N),
+            jnp.moveaxis(acc, 1, 2).reshape(Tc, N, V))
 
 
 def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T, valid_T, G: int, dt):
@@ -222,10 +295,7 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
     are masked), so a long chunk runs as a few large products and tiles of earlier rows are skipped.
     q_nope [T, N, K] and q_pe [T, N, P] scaled; ckv [T, R]; k_pe [T, P]; row_M the blocks' rows."""
     Tc, N, K = q_nope_TNK.shape
-    M = Tc // G
-    Q = min(Tc, max(G, CHUNK_TILE // G * G))
-    while Tc % Q:  # whole blocks per tile, whole tiles per region
-        Q -= G
+    Q = _tile(Tc, G)
     n = Tc // Q
     f32 = jnp.float32
     # Head-major ([N, T, ...]): each product is then one batched matmul with the heads leading (XLA:CPU
@@ -258,8 +328,12 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
             s_NQS = jnp.where(see_1QS, s_NQS, _NEG_INF)
             m_NQ = s_NQS.max(-1)
             p_NQS = jnp.where(see_1QS, jnp.exp(s_NQS - m_NQ[..., None]), 0.0)
-            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS.astype(dt), kv_NTX[:, :end, K:], preferred_element_type=f32)
-            outs.append((m_NQ, p_NQS.sum(-1), acc_NQV))
+            l_NQ = p_NQS.sum(-1)
+            # The probabilities normalised before they are rounded to dt, as a plain softmax would be (the
+            # model's own forward: a prompt's scores then follow it to float32 rounding), then scaled back.
+            p_NQS = (p_NQS / jnp.where(l_NQ > 0, l_NQ, 1.0)[..., None]).astype(dt)
+            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS, kv_NTX[:, :end, K:], preferred_element_type=f32)
+            outs.append((m_NQ, l_NQ, acc_NQV * l_NQ[..., None]))
         m, l, acc = (jnp.concatenate([o[k] for o in outs], 1) for k in range(3))  # [N, Tc, ...]
         return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
