@@ -69,3 +69,22 @@ def test_nothing_to_run_is_no_step():
     sched = _sched()
     assert sched.plan_ragged() is None
     assert len(set(sched.shapes())) == 3 + 1  # decode sizes 1, 2, 4; one chunk region of 32 tokens
+
+
+def test_the_scheduler_and_its_types_import_no_jax():
+    """The scheduler, the page pool, the step layouts and the request types import nothing that needs jax
+    (their own imports, read from the source: the k2jax package itself does load jax)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "k2jax" / "runtime"
+    free = {"scheduler", "pages", "layout", "requests"}
+    for name in sorted(free):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                assert m.split(".")[0] not in ("jax", "jaxlib", "flax"), (name, m)
+                if m.startswith("k2jax."):
+                    assert m.startswith("k2jax.runtime.") and m.split(".")[2] in free, (name, m)

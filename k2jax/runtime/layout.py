@@ -1,10 +1,11 @@
 """The runner's step shapes, and laying out a ragged step (k2jax.ops.ragged): which flat token belongs to
 which row, at which position. Plain numpy, no jax: the scheduler plans with these.
 
-A rectangular step's static shape is StepShape (k2jax.runtime.runner). A ragged step's is RaggedShape: `decode` tokens of one row each, then `blocks` blocks of `block` tokens
-(each block one row's consecutive tokens), for `rows` rows with page tables `table_pages` wide. Whatever the
-mix of decoding rows and prompt chunks, a step takes the smallest shape that holds it, so a server compiles
-one program per shape, not per (rows, tokens, cache length).
+A rectangular step's static shape is StepShape (k2jax.runtime.runner). A ragged step's is RaggedShape:
+`decode` tokens of one row each, then `blocks` blocks of `block` tokens (each block one row's consecutive
+tokens), for `rows` rows with page tables `table_pages` wide. Whatever the mix of decoding rows and prompt
+chunks, a step takes the smallest shape that holds it, so a server compiles one program per shape, not per
+(rows, tokens, cache length).
 """
 
 from __future__ import annotations

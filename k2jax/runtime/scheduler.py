@@ -31,12 +31,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from k2jax.runtime.pages import PagePool
 from k2jax.runtime.layout import Feed, RaggedShape, StepShape, blocks_for, lay_out, place
+from k2jax.runtime.pages import PagePool
+
+if TYPE_CHECKING:
+    from k2jax.runtime.requests import Request
 
 _ORDER = itertools.count()
 
@@ -51,7 +54,7 @@ class Seq:
     """A request's state in the engine: `req` (the engine's Request), its tokens (prompt + generated), the
     pages holding them and how many they hold, its slot."""
 
-    req: Any
+    req: Request | None  # None: a sequence of the scheduler's own tests
     tokens: list[int]
     prompt_len: int
     slot: int = -1
@@ -154,8 +157,8 @@ class Scheduler:
         self.stall_bound = stall_bound
         self.step_s: dict[StepShape, float] = {}
         # Ragged steps (ragged_block = G tokens per chunk block): one step per engine step, its shape from
-        # decode sizes (powers of two from an eighth of the slots up to them) and chunk-region sizes (powers of two from 64 tokens up
-        # to idle_chunk, whole blocks), whatever the cache lengths.
+        # decode sizes (powers of two from an eighth of the slots up to them) and chunk-region sizes (powers
+        # of two from 64 tokens up to idle_chunk, whole blocks), whatever the cache lengths.
         self.block = ragged_block
         if ragged_block is not None:
             if self.shards != 1:

@@ -39,7 +39,8 @@ from k2jax.serving import chat_request
 from k2jax.serving import openai_fields as fields
 from k2jax.serving.chat_template import ChatTemplate
 from k2jax.runtime.detok import TokenText
-from k2jax.runtime.engine import Engine, QueueFull, Request
+from k2jax.runtime.engine import Engine
+from k2jax.runtime.requests import QueueFull, Request
 from k2jax.serving.oplog import AccessLog
 from k2jax.serving.openai_fields import BadRequest
 from k2jax.serving.responses import Choice, Chunks, Names, response

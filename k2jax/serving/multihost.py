@@ -12,7 +12,7 @@ import dataclasses
 import json
 
 from k2jax import distributed
-from k2jax.runtime.engine import Request, SamplingParams
+from k2jax.runtime.requests import Request, SamplingParams
 
 STOP_BARRIER = "k2jax/serve/stop"
 

@@ -19,7 +19,7 @@ import secrets
 from k2jax.serving import chat_request
 from k2jax.serving.chat_request import AGENT_FIELDS, ChatSetup, FieldError
 from k2jax.serving.chat_template import ChatTemplate
-from k2jax.runtime.engine import SamplingParams
+from k2jax.runtime.requests import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs

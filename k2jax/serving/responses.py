@@ -29,7 +29,7 @@ import json
 import math
 
 from k2jax.serving import chat_request
-from k2jax.runtime.engine import Event
+from k2jax.runtime.requests import Event
 
 LOGPROB_FLOOR = -9999.0
 
