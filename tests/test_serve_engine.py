@@ -79,6 +79,23 @@ def _record_fed(eng):
     return steps
 
 
+def _long_prompt_beside_a_decode(eng, solo) -> int:
+    """A short prompt's request starts decoding, then a 50-token prompt arrives; both run to the end and
+    equal generate's outputs. -> engine steps taken."""
+    short, long = _prompts(6, (5, 50))
+    ev = {0: [], 1: []}
+    eng.submit(Request(short, SamplingParams(max_tokens=N), ev[0].append))
+    eng.step()  # the short prompt's chunk: it decodes from now on
+    eng.submit(Request(long, SamplingParams(max_tokens=N), ev[1].append))
+    n_steps = 1
+    while not all(e and e[-1].finish_reason for e in ev.values()):
+        eng.step()
+        n_steps += 1
+    assert [t for e in ev[0] for t in e.token_ids] == solo(short)
+    assert [t for e in ev[1] for t in e.token_ids] == solo(long)
+    return n_steps
+
+
 def test_ragged_steps_take_every_row_in_one_call(model_params, solo):
     """The default engine on one device: each engine step is one ragged call. A burst of three prompts
     arriving together is prefilled in one call (whole blocks of 16 tokens: 1 + 2 + 1 blocks), then one call
@@ -109,17 +126,7 @@ def test_ragged_chunks_are_bounded_by_the_budget(model_params, solo):
     assert [f[0] for _, f in steps[:2]] == [32, 18]
 
     steps.clear()
-    short, long2 = _prompts(6, (5, 50))
-    ev = {0: [], 1: []}
-    eng.submit(Request(short, SamplingParams(max_tokens=N), ev[0].append))
-    eng.step()  # the short prompt's chunk: it decodes from now on
-    eng.submit(Request(long2, SamplingParams(max_tokens=N), ev[1].append))
-    n_steps = 1
-    while not all(e and e[-1].finish_reason for e in ev.values()):
-        eng.step()
-        n_steps += 1
-    assert [t for e in ev[0] for t in e.token_ids] == solo(short)
-    assert [t for e in ev[1] for t in e.token_ids] == solo(long2)
+    n_steps = _long_prompt_beside_a_decode(eng, solo)
     beside = [f for _, f in steps[1:] if 1 in f and max(f) > 1]
     assert beside and max(max(f) for f in beside) == 16  # beside a decoding row: prefill_chunk at most
     assert len(steps) == n_steps  # one call per engine step
@@ -156,15 +163,7 @@ def test_a_lone_prompt_takes_idle_chunks_and_a_prompt_beside_decodes_takes_prefi
     assert [(s.tokens, s.read_pages > 0) for s in shapes if s.tokens > 1] == [(32, False), (32, True)]
 
     shapes.clear()
-    short, long2 = _prompts(6, (5, 50))
-    ev = {0: [], 1: []}
-    eng.submit(Request(short, SamplingParams(max_tokens=N), ev[0].append))
-    eng.step()  # the short prompt's chunk: it decodes from now on
-    eng.submit(Request(long2, SamplingParams(max_tokens=N), ev[1].append))
-    while not all(e and e[-1].finish_reason for e in ev.values()):
-        eng.step()
-    assert [t for e in ev[0] for t in e.token_ids] == solo(short)
-    assert [t for e in ev[1] for t in e.token_ids] == solo(long2)
+    _long_prompt_beside_a_decode(eng, solo)
     prefills = [s.tokens for s in shapes[1:] if s.tokens > 1]
     assert prefills and max(prefills) == 16, shapes  # beside a decoding row: prefill_chunk at most
     # the idle engine default: 4 x prefill_chunk, at most max_len
