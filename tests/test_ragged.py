@@ -36,11 +36,11 @@ def tokens():
     return np.asarray(jax.random.randint(jax.random.PRNGKey(4), (len(ROWS), MAX_LEN), 0, TINY.vocab_size))
 
 
-def _prefixes(params, tokens, kv_dtype):
-    """A cache whose rows hold their ROWS prefixes, written by the rectangular step."""
-    B = len(ROWS)
+def _prefixes(params, tokens, kv_dtype, rows=ROWS):
+    """A cache whose rows hold their `rows` prefixes, written by the rectangular step."""
+    B = len(rows)
     cache = init_cache(TINY, B, MAX_LEN, kv_dtype, page_size=PAGE)
-    held = np.array([h for h, _ in ROWS])
+    held = np.array([h for h, _ in rows])
     T = int(held.max())
     mask = np.arange(T)[None, :] < held[:, None]
     _, cache = jax.jit(lambda p, t, m, c: K2Model(TINY).apply({"params": p}, t, None, m, c))(
@@ -48,22 +48,22 @@ def _prefixes(params, tokens, kv_dtype):
     return cache
 
 
-def _plain(params, tokens, cache):
+def _plain(params, tokens, cache, rows=ROWS):
     """Each row's new tokens through the rectangular step with the plain attention: logits [B, T, V], cache."""
-    held = np.array([h for h, _ in ROWS])
-    fed = np.array([n for _, n in ROWS])
+    held = np.array([h for h, _ in rows])
+    fed = np.array([n for _, n in rows])
     T = int(fed.max())
-    new = np.stack([tokens[b, held[b]:held[b] + T] for b in range(len(ROWS))])
+    new = np.stack([tokens[b, held[b]:held[b] + T] for b in range(len(rows))])
     mask = np.arange(T)[None, :] < fed[:, None]
     model = K2Model(TINY, attention="plain")
     return jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, None, m, c))(
         params, jnp.asarray(new), jnp.asarray(mask), cache)
 
 
-def _feeds(tokens, cache):
+def _feeds(tokens, cache, rows=ROWS):
     table = np.asarray(cache.page_table)
     return {b: Feed(tuple(int(t) for t in tokens[b, h:h + n]), h, tuple(int(p) for p in table[b]))
-            for b, (h, n) in enumerate(ROWS)}
+            for b, (h, n) in enumerate(rows)}
 
 
 def _ragged_call(params, cache, shape, meta):
@@ -135,6 +135,34 @@ def test_chunk_tiles_skip_earlier_rows(params, tokens, monkeypatch, kv_dtype, ex
                                        rtol=tol, err_msg=f"row {b}")
 
 
+# A verifying step (speculative decoding): rows feed a few consecutive tokens in the decode region (a decoding
+# row's last token and its drafts), across a page edge (6 + 4), from nothing, one token alone, and none.
+VERIFY_ROWS = [(6, 4), (0, 3), (8, 1), (7, 0), (13, 5), (21, 2), (3, 1), (40, 2)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
+def test_a_verifying_step_gives_every_fed_tokens_logits(params, tokens, kv_dtype):
+    """Each decode-region token sees its row's cache and its row's tokens before it in the region: the logits
+    at every fed token equal the plain call's at that position, and the cache holds them all."""
+    cache = _prefixes(params, tokens, kv_dtype, VERIFY_ROWS)
+    want_logits, want_cache = _plain(params, tokens, cache, VERIFY_ROWS)
+    cache = _prefixes(params, tokens, kv_dtype, VERIFY_ROWS)
+    shape = RaggedShape(24, 0, 4, len(VERIFY_ROWS), MAX_LEN // PAGE, verify=True)
+    meta = lay_out(shape, _feeds(tokens, cache, VERIFY_ROWS))
+    logits, got_cache = _ragged_call(params, cache, shape, meta | {"last": np.arange(shape.decode)})
+    tol = 1e-5 if kv_dtype == "float32" else 2e-4
+    starts = place(shape, _feeds(tokens, cache, VERIFY_ROWS))
+    for b, (_, n) in enumerate(VERIFY_ROWS):
+        for j in range(n):
+            np.testing.assert_allclose(np.asarray(logits[0, starts[b][1] + j]), np.asarray(want_logits[b, j]),
+                                       atol=tol, rtol=tol, err_msg=f"row {b}, token {j}")
+    np.testing.assert_array_equal(np.asarray(got_cache.lengths), [h + n for h, n in VERIFY_ROWS])
+    for g in want_cache.pages:
+        got, want = np.asarray(got_cache.pages[g], np.float32), np.asarray(want_cache.pages[g], np.float32)
+        keep = np.arange(got.shape[1]) != TRASH_PAGE
+        np.testing.assert_allclose(got[:, keep], want[:, keep], atol=tol, rtol=tol)
+
+
 def test_one_program_serves_every_cache_length(params, tokens):
     """The cached keys are visited in a loop as long as the step's longest row: the same shape over short and
     long prefixes is one compiled program, and each gives the plain call's logits."""
@@ -170,6 +198,20 @@ def test_layout_places_decode_rows_then_whole_blocks():
     assert m["last"].tolist() == [6, 0, 0, 1, 10] and m["count"].tolist() == [5, 1, 0, 1, 1]
     assert m["table"].tolist() == [[1, 2, 0], [3, 4, 0], [5, 0, 0], [6, 0, 0], [7, 0, 0]]
     assert m["lengths"].tolist() == [0, 9, 4, 2, 0]
+
+
+def test_layout_of_a_verifying_step_keeps_each_rows_tokens_together():
+    shape = RaggedShape(decode=8, blocks=0, block=4, rows=4, table_pages=2, verify=True)
+    feeds = {0: Feed((5, 6, 7), 4, (1,)), 2: Feed((9,), 3, (2,)), 3: Feed((1, 2), 0, (3,))}
+    assert place(shape, feeds) == {0: ("decode", 0), 2: ("decode", 3), 3: ("decode", 4)}
+    m = lay_out(shape, feeds)
+    assert m["tokens"].tolist() == [5, 6, 7, 9, 1, 2, 0, 0]
+    assert m["row"].tolist()[:6] == [0, 0, 0, 2, 3, 3] and m["pos"].tolist()[:6] == [4, 5, 6, 3, 0, 1]
+    assert m["valid"].tolist() == [True] * 6 + [False] * 2
+    with pytest.raises(ValueError, match="row 3's 2 tokens do not fit: 1 of the 5 decode tokens left"):
+        lay_out(dataclasses.replace(shape, decode=5), feeds)
+    with pytest.raises(ValueError, match="no chunk blocks"):
+        RaggedShape(decode=8, blocks=1, block=4, rows=4, table_pages=2, verify=True)
 
 
 def test_layout_names_what_does_not_fit():

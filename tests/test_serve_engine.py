@@ -378,3 +378,112 @@ def test_a_handful_of_programs_whatever_the_settings(model_params, flags):
     n = len(set(ragged.sched.shapes()))
     assert n <= 12, ragged.programs_cause()
     assert len(set(rect.sched.shapes())) >= 3 * n
+
+
+# --- speculative decoding (n-gram drafts verified in the ragged step) -------------------------------------------
+def _spec_engine(model_params, **kw):
+    return _engine(model_params, speculative="ngram", num_speculative_tokens=3, prompt_lookup=(1, 3), **kw)
+
+
+class _Scripted:
+    """A proposer whose drafts a test chooses: fn(tokens) -> the ids to draft after them."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def propose(self, tokens, k):
+        return list(self.fn(tokens))[:k]
+
+
+def test_speculative_decoding_gives_the_same_greedy_tokens(model_params, solo):
+    """Prompt-lookup drafts, verified in one step with the decoding rows: every output equals generate on its
+    prompt alone (greedy, float32), some drafts were accepted, and every step shape is one of the scheduler's."""
+    eng = _spec_engine(model_params)
+    shapes = _record_shapes(eng)
+    prompts = _prompts(0, (5, 9, 3, 12))
+    prompts[0] = prompts[0] * 3
+    n = 40  # the random model's outputs fall into short cycles, which the lookup predicts
+    got, _ = _run(eng, prompts, n=n)
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p, n), i
+    m = eng.metrics
+    assert any(sh.verify for sh in shapes) and set(shapes) <= set(eng.sched.shapes())
+    assert m.spec_verified > 0 and 0 < m.spec_accepted <= m.spec_drafted
+    assert "k2jax_spec_decode_accepted_tokens_total" in m.render()
+
+
+@pytest.mark.parametrize("right", [True, False], ids=["accept_all", "accept_none"])
+def test_scripted_drafts_are_all_accepted_or_all_rejected(model_params, solo, right):
+    """Drafts that are the model's own continuation are all accepted (up to 1 + 3 tokens a step); drafts that
+    never are cost steps but change nothing: the output is generate's either way."""
+    p, n = _prompts(8, (6,))[0], 16
+    want = solo(p, n)
+    eng = _spec_engine(model_params)
+    eng.proposer = _Scripted(lambda toks: [t if right else (t + 1) % CFG.vocab_size for t in want[len(toks) - len(p):]])
+    steps = _record_fed(eng)
+    got, _ = _run(eng, [p], n=n)
+    assert got[0] == want
+    m = eng.metrics
+    assert m.spec_drafted > 0
+    if right:
+        assert m.spec_accepted == m.spec_drafted and len(steps) == 1 + -(-(n - 1) // 4)  # the prefill, then 4 a step
+    else:
+        assert m.spec_accepted == 0 and len(steps) == n
+
+
+def test_penalised_rows_are_not_verified(model_params):
+    """A penalised request counts its own tokens: it is never verified, and the step it decodes in runs without
+    drafts; the output is the engine's without speculation."""
+    prompts = _prompts(7, (5, 9))
+    prompts[0] = prompts[0] * 3
+    want, _ = _run(_engine(model_params), prompts, n=12, frequency_penalty=0.5)
+    eng = _spec_engine(model_params)
+    shapes = _record_shapes(eng)
+    got, _ = _run(eng, prompts, n=12, frequency_penalty=0.5)
+    assert got == want and not any(sh.verify for sh in shapes) and eng.metrics.spec_drafted == 0
+
+
+def test_drafts_are_fed_only_where_their_step_pays(model_params, solo):
+    """With the steps' times known, a row drafts only where its expected output per second beats a plain
+    decode: a verifying step 10x a decode's gets no drafts (the row's acceptance is still learnt from the
+    drafts it would have fed), a nearly free one gets them (until the steps' measured times take over). The
+    output is the same either way."""
+    p = _prompts(0, (9,))[0]
+    for cost, verifies in ((10.0, False), (1e-6, True)):
+        eng = _spec_engine(model_params)
+        eng.spec_step_s = {sh: (cost if sh.verify else 1.0) for sh in eng.sched.shapes() if sh.blocks == 0}
+        shapes = _record_shapes(eng)
+        ev = []
+        req = Request(p, SamplingParams(max_tokens=40), ev.append)
+        eng.submit(req)
+        while not (ev and ev[-1].finish_reason):
+            eng.step()
+        assert [t for e in ev for t in e.token_ids] == solo(p, 40)
+        assert any(sh.verify for sh in shapes) == verifies, cost
+        assert req.seq.spec_trials > 0 and req.seq.accept_rate > 0.5  # it cycles: most would be accepted
+        assert (eng.metrics.spec_accepted > 0) == verifies
+
+
+def test_speculation_needs_ragged_steps_and_a_sane_draft_count(model_params):
+    with pytest.raises(ValueError, match="needs ragged steps"):
+        _engine(model_params, ragged=False, speculative="ngram", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        _engine(model_params, speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="'eagle' is not known"):
+        _engine(model_params, speculative="eagle", num_speculative_tokens=3)
+    eng = _engine(model_params, max_batch=8, speculative="ngram", num_speculative_tokens=4)
+    assert eng.sched.verify_sizes == [2, 4, 8, 16, 32, 40] and "6 verifying sizes up to 40" in eng.programs_cause()
+
+
+def test_generate_takes_speculative_decoding(model_params):
+    """k2jax.generate(speculative="ngram"): the same greedy tokens and lengths as without, drafts accepted."""
+    model, params = model_params
+    prompts = _prompts(0, (5, 9, 3, 12))
+    prompts[0] = prompts[0] * 3
+    want = k2jax.generate(model, params, prompts, 40, max_len=64, stop_tokens=[7])
+    t = {}
+    got = k2jax.generate(model, params, prompts, 40, max_len=64, stop_tokens=[7], speculative="ngram",
+                         num_speculative_tokens=3, timings=t)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert 0 < t["accepted"] <= t["drafted"] and t["steps"] <= 40

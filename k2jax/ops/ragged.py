@@ -3,7 +3,8 @@ one token each and prompt chunks of any lengths, together), each row with its ow
 page-table row. k2jax.runtime.layout lays the batch out.
 
 The flat batch holds T = D + M * G tokens:
-- tokens [0, D), the decode region: one token each, each of its own row (row_T says whose);
+- tokens [0, D), the decode region: a decoding row's one token each (row_T says whose), or, in a verifying
+  step (speculative decoding), a row's few consecutive tokens: its last sampled token and its drafts;
 - tokens [D, T), the chunk region: M blocks of G tokens, each block one row's consecutive new tokens (a row's
   chunk takes whole blocks, the last one padded), so a block reads its row's pages once for all its tokens.
 Padding tokens (valid_T False) are computed but never written. A valid token t of row b sits at position
@@ -14,7 +15,8 @@ lengths[b]) and the row's new tokens up to its own position.
 W_UK folded into the query, W_UV into the output, so the latent cache is never expanded per head), with an
 online softmax that visits each row's pages a few at a time in a loop whose trip count is the step's longest
 cached row, not a static read size: one program serves every cache length. Then the new tokens: a decode
-token sees itself; a chunk block sees its row's blocks up to its own (the others are skipped, not masked).
+token sees its row's decode tokens up to itself (itself alone, but for a verifying row's drafts); a chunk
+block sees its row's blocks up to its own (the others are skipped, not masked).
 A TPU kernel takes the same metadata (the layout above, page_table, lengths).
 
 Letters as in k2jax.nn.mla: T flat tokens, D decode tokens, M chunk blocks, G tokens per block, B rows,
@@ -137,13 +139,16 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
     M = (T - D) // G
     assert D + M * G == T, f"{T} tokens are not {D} decode tokens and whole blocks of {G}"
     pool = (pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt)
-    outs = []
     outs = []  # each region's normalised outputs [tokens, N, V], float32
-    if D:  # one token per row: its cached keys, then itself
-        q = (q_lat_TNR[:D, None], q_pe_TNP[:D, None])
-        st = _over_cache(*q, row_T[:D], valid_T[:D], *pool, DECODE_VISIT_KEYS)
-        s_D1N1 = _scores(*q, ckv_TR[:D, None], k_pe_TP[:D, None])
-        m, l, acc = (x[:, 0] for x in _update(st, s_D1N1, valid_T[:D, None, None, None], ckv_TR[:D, None], dt))
+    if D:  # each token: its row's cached keys, then its row's tokens in the region up to itself
+        st = _over_cache(q_lat_TNR[:D, None], q_pe_TNP[:D, None], row_T[:D], valid_T[:D], *pool,
+                         DECODE_VISIT_KEYS)
+        # The region's tokens as one group of D queries over its D keys (a decoding row's own token, and a
+        # verifying row's tokens before it), each seeing its own row's up to its position.
+        st = tuple(x.reshape((1, D) + x.shape[2:]) for x in st)
+        s_1DND = _scores(q_lat_TNR[None, :D], q_pe_TNP[None, :D], ckv_TR[None, :D], k_pe_TP[None, :D])
+        see_DD = valid_T[None, :D] & (row_T[None, :D] == row_T[:D, None]) & (pos_T[None, :D] <= pos_T[:D, None])
+        m, l, acc = (x[0] for x in _update(st, s_1DND, see_DD[None, :, None, :], ckv_TR[None, :D], dt))
         o_lat_DNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
         outs.append(jnp.einsum("DNR,RNV->DNV", o_lat_DNR, w_uv_RNV, preferred_element_type=f32))
     if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each (expanded)

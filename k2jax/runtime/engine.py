@@ -25,18 +25,19 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from k2jax.runtime import sampling
+from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
-from k2jax.runtime.layout import DEFAULT_BLOCK
+from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedShape
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
 from k2jax.runtime.requests import Event, QueueFull, Request, SamplingParams
-from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
+from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq, bucket
 from k2jax.sharding import use_mesh
 
 DEFAULT_PAGE_SIZE = 64
+SPEC_MARGIN = 1.1  # drafts are fed where their step's expected tokens per second beat a decode's by this
 
 
 def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, mesh=None) -> int:
@@ -71,14 +72,24 @@ class Engine:
     cost. `ragged` (default: on one device, no mesh): each engine step is one ragged step (k2jax.ops.ragged)
     over every decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes)
     tokens, in a handful of programs whatever the cache lengths; the stall bound does not apply (a step's
-    chunk tokens are bounded instead). False: the rectangular steps (one per chunk, and one decode)."""
+    chunk tokens are bounded instead). False: the rectangular steps (one per chunk, and one decode).
+    `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
+    `prompt_lookup` = (min, max) tokens): each step where no prompt chunk
+    runs, every decoding row feeds up to `num_speculative_tokens` drafted tokens after its last one, and the
+    step verifies them (k2jax.runtime.runner): a row outputs its drafts up to the first the model does not
+    sample, then the model's own token there. The output is what it would be without (greedy: the same
+    tokens; sampling: the same distribution). Rows with a grammar or penalties are not verified: a step
+    where one decodes runs without drafts. Once warm_up has timed the decode and verifying steps, a step
+    speculates only where it is expected to output tokens faster: each row's drafts are weighed by its own
+    acceptance so far (see _worth)."""
 
     def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
                  detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
                  page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
                  metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
                  idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64,
-                 ragged: bool | None = None):
+                 ragged: bool | None = None, speculative: str | None = None, num_speculative_tokens: int = 0,
+                 prompt_lookup: tuple[int, int] = (2, 3)):
         if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
                 or (idle_chunk is not None and idle_chunk < 1)):
             raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
@@ -106,9 +117,19 @@ class Engine:
         self.ragged = mesh is None if ragged is None else ragged
         if self.ragged and mesh is not None:
             raise ValueError("ragged steps run on one device; on a mesh the engine takes rectangular steps")
+        self.proposer = speculate.make(speculative, min_n=prompt_lookup[0], max_n=prompt_lookup[1])
+        self.spec_step_s: dict = {}  # {RaggedShape: seconds} of the decode and verifying steps (warm_up)
+        self.spec_tokens = num_speculative_tokens if speculative is not None else 0
+        if speculative is not None and not self.ragged:
+            raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps "
+                             "(one device)")
+        if speculative is not None and not 1 <= num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative decoding, got "
+                             f"{num_speculative_tokens}")
         self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
                                stall_bound=stall_bound, min_chunk=min_chunk,
-                               ragged_block=DEFAULT_BLOCK if self.ragged else None)
+                               ragged_block=DEFAULT_BLOCK if self.ragged else None,
+                               speculative_tokens=self.spec_tokens)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
         self._inbox: list[Request] = []
@@ -199,8 +220,10 @@ class Engine:
         """Why the engine compiles the programs it does, in words (the start-up log)."""
         s = self.sched
         if self.ragged:
+            spec = (f", and {len(s.verify_sizes)} verifying sizes up to {s.verify_sizes[-1]} tokens (speculative "
+                    f"decoding)" if s.verify_sizes else "")
             return (f"ragged steps: {len(s.decode_sizes)} decode-only sizes up to the {self.max_batch} slots and "
-                    f"{len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens")
+                    f"{len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens{spec}")
         return (f"rectangular steps: decodes over {len(s.row_buckets)} row buckets x {len(s.read_buckets) - 1} cache "
                 f"reads, first chunks of {len(s.chunk_sizes)} sizes, and later chunks of {len(s.later_sizes)} sizes x "
                 f"{len(s.read_buckets) - 1} cache reads")
@@ -225,6 +248,11 @@ class Engine:
             if note is not None and timed:
                 note(f"compiled in {time.perf_counter() - t0:.1f} s; timing {len(set(timed))} of the steps")
             self.sched.step_s = self.time_steps(timed)
+            if self.proposer is not None:  # what a verifying step costs against a plain decode
+                s = self.sched
+                self.spec_step_s = self.time_steps(
+                    [RaggedShape(d, 0, s.block, s.slots, s.max_pages, v) for v, sizes in
+                     ((False, s.decode_sizes), (True, s.verify_sizes)) for d in sizes])
         return time.perf_counter() - t0
 
     def time_steps(self, shapes, repeats: int = 2) -> dict:
@@ -325,6 +353,8 @@ class Engine:
         self._gauges()
         t0 = time.perf_counter()
         done = []
+        if self.proposer is not None:
+            self._propose()
         calls = [c for c in [self.sched.plan_ragged()] if c is not None] if self.ragged else self.sched.plan()
         for call in calls:
             batch = neutral_batch(call.shape, self.model.cfg.vocab_size)
@@ -340,8 +370,59 @@ class Engine:
             self._take_scores(out, scored)
             self._emit(call, out)
         if done:
-            self.metrics.observe_step(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            self.metrics.observe_step(took)
+            shape = done[-1][0].shape
+            if len(done) == 1 and shape in self.spec_step_s:  # what such a step takes when serving, host work too
+                self.spec_step_s[shape] += 0.2 * (took - self.spec_step_s[shape])
         self._gauges()
+
+    def _propose(self) -> None:
+        """Each decoding row's drafts for the next step: up to num_speculative_tokens, none past its
+        max_tokens; None for a row that cannot be verified (its grammar or penalties)."""
+        for seq in self.sched.live():
+            if not seq.decoding:
+                continue
+            p = seq.req.params
+            if seq.req.matcher is not None or p.penalized:
+                seq.draft = None
+                continue
+            k = min(self.spec_tokens, p.max_tokens - seq.generated - 1)
+            seq.draft = self.proposer.propose(seq.tokens, k) if k > 0 else []
+        if self.spec_step_s:
+            self._worth()
+
+    def _worth(self) -> None:
+        """Trim the drafts to what pays: each row's expected output from k drafts is 1 + a + a^2 + ... + a^k
+        for its acceptance rate a so far (every draft accepted with probability a after the one before it);
+        of the steps with drafts cut to at most k (k = 0: none), the one with most tokens per second of its
+        timed step (warm_up's time, then a moving average of the engine steps of that shape as they run,
+        host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (Each verified
+        token costs the reading of its own experts: on a small batch a verifying step can take several times
+        a decode step.) Drafts cut away are kept as the row's
+        `shadow`: the next token tells whether the first would have been accepted, so a row that does not
+        speculate still learns its rate."""
+        s = self.sched
+        rows = [q for q in s.live() if q.decoding]
+        if not rows or any(q.draft is None for q in rows):
+            return
+        best, best_k = None, 0
+        for k in range(self.spec_tokens + 1):
+            n = [min(len(q.draft), k) for q in rows]
+            D = len(rows) + sum(n)
+            if k and not any(n):
+                break
+            sizes = s.verify_sizes if k else s.decode_sizes
+            if D > sizes[-1]:
+                continue
+            shape = RaggedShape(bucket(D, sizes), 0, s.block, s.slots, s.max_pages, bool(k))
+            gain = sum(sum(q.accept_rate ** (i + 1) for i in range(m)) for q, m in zip(rows, n))
+            # Drafts must beat a plain decode by SPEC_MARGIN: the estimates are rough, and a loss costs every row.
+            rate = (len(rows) + gain) / (self.spec_step_s[shape] * (SPEC_MARGIN if k else 1.0))
+            if best is None or rate > best:
+                best, best_k = rate, k
+        for q in rows:
+            q.draft, q.shadow = q.draft[:best_k], (q.draft if not best_k else [])
 
     def _sampling(self, call: Call, batch: dict) -> None:
         """Each sampling row's settings and grammar mask."""
@@ -404,16 +485,49 @@ class Engine:
         """Hand each sampling row's new token to its request."""
         if not any(call.samples):
             return
+        if isinstance(call, RaggedCall) and call.shape.verify:
+            self._emit_verified(call, out)
+            return
         tokens = _host(out["tokens"])
         want_lp = any(s is not None and s.req.params.logprobs is not None for s, _ in call.rows)
         lp = {k: _host(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if want_lp else None
         masked = _host(out["all_masked"]) if "all_masked" in out else np.zeros(len(tokens), bool)
         for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
             if samples and not seq.finished and not seq.req.finished:
+                if seq.shadow:  # drafts not verified: the row's acceptance record learns from them anyway
+                    seq.verified(1, int(seq.shadow[0] == int(tokens[i])))
+                    seq.shadow = []
                 seq.tokens.append(int(tokens[i]))
                 lps = None if lp is None or seq.req.params.logprobs is None else \
                     _logprobs(lp, i, int(tokens[i]), seq.req.params.logprobs)
                 self._emit_token(seq.req, int(tokens[i]), lps, bool(masked[i]))
+
+    def _emit_verified(self, call: RaggedCall, out: dict) -> None:
+        """A verifying step's outputs: each row's accepted drafts, then the model's own next token."""
+        tokens, emitted = _host(out["tokens"]), _host(out["emitted"])
+        want_lp = any(s is not None and s.req.params.logprobs is not None for s, _ in call.rows)
+        lp = {k: _host(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if want_lp else None
+        masked = _host(out["all_masked"])
+        m = self.metrics
+        for b, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+            if not samples or seq.finished or seq.req.finished:
+                continue
+            drafted, e = len(call.drafts.get(b, ())), int(emitted[b])
+            if drafted:
+                m.spec_verified += 1
+                m.spec_drafted += drafted
+                m.spec_accepted += e - 1
+                seq.verified(drafted, e - 1)
+            for t in range(call.starts[b], call.starts[b] + e):
+                tok = int(tokens[t])
+                seq.tokens.append(tok)
+                lps = None if lp is None or seq.req.params.logprobs is None else \
+                    _logprobs(lp, t, tok, seq.req.params.logprobs)
+                self._emit_token(seq.req, tok, lps, bool(masked[t]))
+                if seq.req.finished:
+                    break
+            else:
+                self.sched.verified(seq, e - 1)
 
     def _emit_token(self, r: Request, tok: int, logprobs, masked: bool) -> None:
         """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text
@@ -482,7 +596,9 @@ class Engine:
 
 def describe(shape, page_size: int) -> str:
     """A step program in words, for the start-up log."""
-    if hasattr(shape, "decode"):  # a RaggedShape
+    if isinstance(shape, RaggedShape):
+        if shape.verify:
+            return f"ragged step: verifying up to {shape.decode} decoding and drafted tokens"
         if shape.blocks == 0:
             return f"ragged step: {shape.decode} decoding rows"
         return (f"ragged step: {shape.decode} decoding rows and {shape.blocks * shape.block} prompt-chunk tokens "

@@ -40,7 +40,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
              stop_tokens: Sequence[int] = (), mesh: jax.sharding.Mesh | None = None, max_len: int | None = None,
              kv_cache_dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
              on_token: Callable[[np.ndarray, np.ndarray], None] | None = None, timings: dict | None = None,
-             prompt_logprobs: int | None = None):
+             prompt_logprobs: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 4):
     """Continue each prompt (a list of token ids; lengths may differ) by up to max_new_tokens tokens.
 
     Greedy when temperature == 0 (deterministic); otherwise sampling, reproducible from `seed` (row b draws
@@ -59,12 +59,22 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     {"logprob" float32 [B, P] (prompt token p's logprob given the tokens before it; NaN at p = 0 and past
     a prompt's end), "rank" int32 [B, P] (1 = the likeliest id; 0 where no logprob), "top_ids" int32
     [B, P, k], "top_logprobs" float32 [B, P, k] (the k likeliest ids at each position, best first)}.
+    speculative="ngram" (one device): each row drafts up to num_speculative_tokens tokens a step by prompt
+    lookup and the step verifies them (k2jax.runtime.engine's speculative decoding): the same tokens when
+    greedy, the same distribution when sampling. It runs through the serving engine's steps; on_token and
+    prompt_logprobs are not taken with it, and `timings` receives steps, total_s, drafted, accepted and
+    verified (rows whose drafts a step verified).
     Raises ValueError for an empty batch or prompt, an id outside the vocabulary, a prompt that does not fit
     the cache, or a bad sampling setting.
     """
     cfg = model.cfg
     stop_tokens = tuple(int(t) for t in stop_tokens)
     _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p, max_len, stop_tokens)
+    if speculative is not None:
+        if mesh is not None or on_token is not None or prompt_logprobs is not None:
+            raise ValueError("speculative: runs on one device, without on_token or prompt_logprobs")
+        return _speculative(model, params, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
+                            max_len, kv_cache_dtype, page_size, speculative, num_speculative_tokens, timings)
     if prompt_logprobs is not None and (not isinstance(prompt_logprobs, (int, np.integer))
                                         or not 0 <= prompt_logprobs <= sampling.MAX_TOP_LOGPROBS):
         raise ValueError(f"prompt_logprobs must be an integer in [0, {sampling.MAX_TOP_LOGPROBS}] or None, "
@@ -176,6 +186,37 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     if timings is not None:
         timings.update(compile_s=t1 - t0, prefill_s=t2 - t1, decode_s=time.perf_counter() - t2, decode_steps=steps)
     return (result, lengths) if scores is None else (result, lengths, scores)
+
+
+def _speculative(model, params, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_len,
+                 kv_cache_dtype, page_size, method, k, timings):
+    """generate through the serving engine with speculative decoding (see generate)."""
+    from k2jax.runtime.engine import Engine, Request, SamplingParams
+
+    longest = max(len(p) for p in prompts)
+    max_len = max_len or longest + max_new_tokens
+    B = len(prompts)
+    eng = Engine(model, params, max_batch=B, max_len=max_len + 1, prefill_chunk=max_len, kv_tokens=B * (max_len + 1),
+                 kv_cache_dtype=kv_cache_dtype or "auto", page_size=page_size, prefix_cache=False,
+                 speculative=method, num_speculative_tokens=k)
+    events = [[] for _ in prompts]
+    eng.submit(*[Request(list(map(int, p)), SamplingParams(
+        max_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+        seed=(seed + b) % 2**32, stop_ids=stop_tokens), events[b].append) for b, p in enumerate(prompts)])
+    t0, steps = time.perf_counter(), 0
+    while not all(e and e[-1].finish_reason for e in events):
+        eng.step()
+        steps += 1
+    result = np.full((B, max_new_tokens), PAD_ID, np.int32)
+    lengths = np.zeros(B, np.int32)
+    for b, ev in enumerate(events):
+        ids = [t for e in ev for t in e.token_ids]
+        result[b, :len(ids)], lengths[b] = ids, len(ids)
+    if timings is not None:
+        m = eng.metrics
+        timings.update(steps=steps, total_s=time.perf_counter() - t0, drafted=m.spec_drafted,
+                       accepted=m.spec_accepted, verified=m.spec_verified)
+    return result, lengths
 
 
 def _prompt_scores(out: dict, lens: np.ndarray, k: int, starts=None) -> dict:

@@ -2,8 +2,11 @@
 which row, at which position. Plain numpy, no jax: the scheduler plans with these.
 
 A rectangular step's static shape is StepShape (k2jax.runtime.runner). A ragged step's is RaggedShape:
-`decode` tokens of one row each, then `blocks` blocks of `block` tokens (each block one row's consecutive
-tokens), for `rows` rows with page tables `table_pages` wide. Whatever the mix of decoding rows and prompt
+`decode` tokens in the decode region (one per decoding row; in a step with no chunk blocks a row may feed a
+few consecutive ones there: its last sampled token and the tokens drafted after it, which the step verifies),
+then `blocks` blocks of `block` tokens (each block one row's consecutive tokens), for `rows` rows with page
+tables `table_pages` wide. `verify`: the step returns every decode-region token's sample (the verifying step
+of speculative decoding), not only each row's last. Whatever the mix of decoding rows and prompt
 chunks, a step takes the smallest shape that holds it, so a server compiles one program per shape, not per
 (rows, tokens, cache length).
 """
@@ -30,13 +33,19 @@ class StepShape:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class RaggedShape:
-    """The static shape of a ragged step: D decode tokens, M blocks of G tokens, B rows, W pages per row."""
+    """The static shape of a ragged step: D decode tokens, M blocks of G tokens, B rows, W pages per row;
+    verify: samples at every decode token (speculative decoding's verifying step; no chunk blocks)."""
 
     decode: int
     blocks: int
     block: int
     rows: int
     table_pages: int
+    verify: bool = False
+
+    def __post_init__(self):
+        if self.verify and self.blocks:
+            raise ValueError("a verifying step has no chunk blocks")
 
     @property
     def tokens(self) -> int:
@@ -58,8 +67,9 @@ def blocks_for(n: int, block: int) -> int:
 
 
 def place(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, tuple[str, int]]:
-    """Where each fed row's tokens go: {row: ("decode", flat index) or ("chunk", first flat index)}. Rows of
-    one token take the decode region while it has room, the others whole blocks in row order. Raises
+    """Where each fed row's tokens go: {row: ("decode", first flat index) or ("chunk", first flat index)}.
+    Rows of one token take the decode region while it has room, the others whole blocks in row order; a
+    shape with no blocks takes every row in its decode region (a row's tokens consecutive). Raises
     ValueError naming what does not fit."""
     where, d, m = {}, 0, 0
     for b in sorted(feeds):
@@ -68,10 +78,13 @@ def place(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, tuple[str, in
             raise ValueError(f"row {b} is outside the step's {shape.rows} rows")
         if n == 0:
             continue
-        if n == 1 and d < shape.decode:
+        if (n == 1 or shape.blocks == 0) and d + n <= shape.decode:
             where[b] = ("decode", d)
-            d += 1
+            d += n
             continue
+        if shape.blocks == 0:
+            raise ValueError(f"row {b}'s {n} tokens do not fit: {shape.decode - d} of the {shape.decode} decode "
+                             f"tokens left")
         k = blocks_for(n, shape.block)
         if m + k > shape.blocks:
             raise ValueError(f"row {b}'s {n} tokens do not fit: {shape.blocks - m} of {shape.blocks} blocks of "

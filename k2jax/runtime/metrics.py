@@ -46,6 +46,8 @@ class Metrics:
         self.pages_total = self.pages_in_use = self.pages_free = self.pages_cached = 0
         self.cache_usage = 0.0  # pages requests hold / the pool's pages
         self.cached_prompt_tokens = self.preemptions = 0
+        # Speculative decoding: rows whose drafts a step verified, the drafts, and those accepted.
+        self.spec_verified = self.spec_drafted = self.spec_accepted = 0
         self.ttft, self.step_time, self.queue_time = Histogram(), Histogram(), Histogram()
         self.e2e, self.itl = Histogram(_E2E_BUCKETS_S), Histogram(_ITL_BUCKETS_S)
         self._lock = threading.Lock()
@@ -96,6 +98,13 @@ class Metrics:
             ("k2jax_preemptions_total", "counter", "requests preempted (pages freed, recomputed later)",
              self.preemptions),
             ("k2jax_compilations_total", "counter", "XLA compilations in this process", compiles()),
+            ("k2jax_spec_decode_verified_rows_total", "counter", "rows whose drafted tokens a step verified "
+             "(speculative decoding)", self.spec_verified),
+            ("k2jax_spec_decode_draft_tokens_total", "counter", "drafted tokens verified", self.spec_drafted),
+            ("k2jax_spec_decode_accepted_tokens_total", "counter", "drafted tokens accepted (output as they were "
+             "drafted)", self.spec_accepted),
+            ("k2jax_spec_decode_mean_accepted_length", "gauge", "accepted drafted tokens per verified row",
+             round(self.spec_accepted / max(self.spec_verified, 1), 6)),
         ]
         out = []
         for name, kind, help_, v in rows:

@@ -14,7 +14,9 @@ width. `Runner.compile` builds the program of each shape once (XLA compiles noth
 
 A ragged step (a k2jax.runtime.layout.RaggedShape, on one device) takes instead one flat batch of every row's
 new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens, the chunk blocks and
-the rows, and one program serves every cache length (ragged_host_batch lists its inputs).
+the rows, and one program serves every cache length (ragged_host_batch lists its inputs). A verifying ragged
+step (speculative decoding: RaggedShape.verify) samples at every decode token, each verifying the draft fed
+after it in its row, and says how many tokens each row outputs (`_verify`).
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
 prompt-token mask [slots, V] bool for the penalties.
@@ -141,8 +143,11 @@ class Runner:
         row_T, tok_T, valid_T = batch["row"], batch["tokens"], batch["valid"]
         cache = RaggedCache(state["pages"], state["scales"], batch["table"], batch["lengths"], row_T,
                             batch["pos"], valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad)
+        # A verifying step samples at every decode token (each verifies the draft after it), others at each
+        # row's last fed token.
+        at = jnp.arange(shape.decode)[None] if shape.verify else batch["last"][None]
         (logits_1BV, cache), sown = self.model.apply({"params": params}, tok_T[None], None, valid_T[None], cache,
-                                                     batch["last"][None], mutable=[HIDDEN])
+                                                     at, mutable=[HIDDEN])
         scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch["targets"][None])
         scores = {k: v[0] for k, v in scores.items()}
         keep_B1 = ~batch["reset"][:, None]
@@ -150,7 +155,10 @@ class Runner:
         in_prompt_T = valid_T & (batch["pos"] < batch["prompt_len"][row_T])
         seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
-        out = sampling.sample_rows(logits_1BV[0], batch["samp"], counts_BV, seen_BV, batch["bitmask"])
+        if shape.verify:
+            out = _verify(logits_1BV[0], batch)
+        else:
+            out = sampling.sample_rows(logits_1BV[0], batch["samp"], counts_BV, seen_BV, batch["bitmask"])
         return {"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV}, out | scores
 
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
@@ -266,6 +274,27 @@ class Runner:
             batch = jax.device_put(batch, sh)
         self.state, out = self._compiled[shape](self.params, self.state, batch)
         return out
+
+
+def _verify(logits_DV, batch) -> dict:
+    """A verifying step's samples (speculative decoding): each decode token t of row b samples the token after
+    it, with b's settings at its own output index, and verifies the draft fed after it in the row (if any;
+    sampling.sample_rows' draft_B). -> sample_rows' outputs per decode token [D, ...] with `accepted` [D],
+    and `emitted` [B]: how many tokens each row outputs (its accepted drafts, then the first token sampled
+    where a draft was not accepted, or after the last draft). The rows of a verifying step are never
+    penalised and have no grammar mask (the engine keeps such rows out of it)."""
+    D = logits_DV.shape[0]
+    row_D, pos_D, valid_D, tok_D = (batch[k][:D] for k in ("row", "pos", "valid", "tokens"))
+    lengths_B = batch["lengths"]
+    samp_D = {k: v[row_D] for k, v in batch["samp"].items()}
+    samp_D["step"] = samp_D["step"] + pos_D - lengths_B[row_D]
+    nxt = jnp.arange(1, D + 1).clip(max=D - 1)
+    follows_D = (jnp.arange(D) < D - 1) & valid_D[nxt] & (row_D[nxt] == row_D)
+    out = sampling.sample_rows(logits_DV, samp_D, draft_B=jnp.where(valid_D & follows_D, tok_D[nxt], -1))
+    # A row's output ends at its first token that did not accept the draft after it (its last token has none).
+    big = jnp.iinfo(jnp.int32).max
+    end_B = jnp.full_like(lengths_B, big).at[row_D].min(jnp.where(valid_D & ~out["accepted"], pos_D, big))
+    return out | {"emitted": jnp.where(end_B < big, end_B - lengths_B + 1, 0)}
 
 
 def _compile(lowered, shape: StepShape, on_start):

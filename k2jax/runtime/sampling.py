@@ -202,7 +202,7 @@ def allowed_ids(bitmask_BW, V: int):
     return bits_BW32.reshape(B, W * 32)[:, :V].astype(bool)
 
 
-def sample_rows(logits_BV, rows, counts_BV=None, prompt_mask_BV=None, bitmask_BW=None):
+def sample_rows(logits_BV, rows, counts_BV=None, prompt_mask_BV=None, bitmask_BW=None, draft_B=None):
     """One token per row, each row with its own settings (see default_rows), inside a jitted step.
 
     logits_BV [B, V] any float dtype; rows: the dict of default_rows (numpy or traced); counts_BV,
@@ -225,6 +225,14 @@ def sample_rows(logits_BV, rows, counts_BV=None, prompt_mask_BV=None, bitmask_BW
 
     A row where every id is excluded (a grammar that allows nothing, say) gives token 0, logprob -inf, top
     entries (id 0.., -inf) and all_masked True: defined values, no NaN; the caller should end that request.
+
+    draft_B int32 [B] (speculative decoding; -1, or any id outside [0, V), = none): a token proposed for this
+    position, verified here,
+    and the result also holds `accepted` [B] bool. A greedy row accepts it when it is the argmax (the token
+    is the argmax either way). A sampling row accepts it with probability p(draft) under the truncated
+    distribution (a uniform drawn with fold_in(key, 1)), else draws from that distribution without the draft
+    (renormalised): the token is then distributed as without a draft, whatever was proposed (rejection
+    sampling against a proposal that puts all its mass on the draft).
     """
     x_BV = process_logits(logits_BV, rows, counts_BV, prompt_mask_BV, bitmask_BW)
     B, V = x_BV.shape
@@ -260,12 +268,28 @@ def sample_rows(logits_BV, rows, counts_BV=None, prompt_mask_BV=None, bitmask_BW
         kept_BV = jnp.where(x_BV >= cut_B[:, None], x_BV, -jnp.inf)
         keys_B = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
             jnp.asarray(rows["seed"], jnp.uint32), jnp.asarray(rows["step"], jnp.int32))
+        best_B = jnp.argmax(x_BV, axis=-1).astype(jnp.int32)
+        accept_B = jnp.zeros(B, bool)
+        if draft_B is not None:  # accept the draft with probability p(draft), else draw without it
+            d_B1 = jnp.asarray(draft_B, jnp.int32)[:, None]
+            has_B1 = (d_B1 >= 0) & (d_B1 < V)
+            p_d_B = jnp.exp(jnp.take_along_axis(kept_BV, jnp.where(has_B1, d_B1, 0), axis=-1)[:, 0]
+                            - _logsumexp(kept_BV))
+            u_B = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), ()))(keys_B)
+            accept_B = has_B1[:, 0] & (u_B < p_d_B)
+            kept_BV = jnp.where(has_B1 & (jnp.arange(V)[None] == d_B1), -jnp.inf, kept_BV)
         gumbel_BV = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys_B)
-        drawn_B = jnp.argmax(kept_BV + gumbel_BV, axis=-1)  # Gumbel-max: a draw from softmax(kept)
-        return jnp.where(greedy_B, jnp.argmax(x_BV, axis=-1), drawn_B).astype(jnp.int32)
+        drawn_B = jnp.argmax(kept_BV + gumbel_BV, axis=-1).astype(jnp.int32)  # Gumbel-max: from softmax(kept)
+        if draft_B is not None:
+            drawn_B = jnp.where(accept_B, draft_B, drawn_B)
+            accept_B = jnp.where(greedy_B, best_B == draft_B, accept_B)
+        return jnp.where(greedy_B, best_B, drawn_B), accept_B
 
-    tokens_B = jax.lax.cond(jnp.any(sampling_B), draw, lambda x_BV: jnp.argmax(x_BV, axis=-1).astype(jnp.int32),
-                            x_BV)
+    def greedy(x_BV):
+        best_B = jnp.argmax(x_BV, axis=-1).astype(jnp.int32)
+        return best_B, (jnp.zeros(B, bool) if draft_B is None else best_B == draft_B)
+
+    tokens_B, accepted_B = jax.lax.cond(jnp.any(sampling_B), draw, greedy, x_BV)
     logprob_B = jnp.take_along_axis(x_BV, tokens_B[:, None], axis=-1)[:, 0] - lse_B
     J = min(MAX_TOP_LOGPROBS, K)
     shown_BJ = jnp.arange(MAX_TOP_LOGPROBS)[None, :J] < n_top_B[:, None]
@@ -274,8 +298,9 @@ def sample_rows(logits_BV, rows, counts_BV=None, prompt_mask_BV=None, bitmask_BW
     if J < MAX_TOP_LOGPROBS:  # a vocabulary smaller than MAX_TOP_LOGPROBS (tests): pad to the fixed width
         top_ids_BJ = jnp.pad(top_ids_BJ, ((0, 0), (0, MAX_TOP_LOGPROBS - J)), constant_values=-1)
         top_lp_BJ = jnp.pad(top_lp_BJ, ((0, 0), (0, MAX_TOP_LOGPROBS - J)), constant_values=-jnp.inf)
-    return dict(tokens=tokens_B, logprob=logprob_B, top_ids=top_ids_BJ, top_logprobs=top_lp_BJ,
-                all_masked=all_masked_B)
+    out = dict(tokens=tokens_B, logprob=logprob_B, top_ids=top_ids_BJ, top_logprobs=top_lp_BJ,
+               all_masked=all_masked_B)
+    return out if draft_B is None else out | {"accepted": accepted_B}
 
 
 def top_values(x_BV, n: int):

@@ -66,6 +66,24 @@ class Seq:
     reuse: bool = True  # may take pages from the prefix cache (not with penalties: they count fed tokens)
     preemptions: int = 0
     finished: bool = False
+    # Tokens proposed after its last one (speculative decoding), for the next step to verify: None = this
+    # row cannot be verified (a grammar or penalties: its step samples once, with its masks); set by the engine.
+    draft: list[int] | None = None
+    # Its drafts' record, decayed (speculative decoding): accepted ones, and trials (each accepted draft, and
+    # the first rejected one).
+    spec_hits: float = 0.0
+    spec_trials: float = 0.0
+    shadow: list[int] = dataclasses.field(default_factory=list)  # drafts proposed but not fed (the engine's)
+
+    @property
+    def accept_rate(self) -> float:
+        """The chance its next draft is accepted, as its record says (1/2 before any: Laplace's rule)."""
+        return (self.spec_hits + 1) / (self.spec_trials + 2)
+
+    def verified(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
+        """Record a verification: `accepted` of its `drafted` drafts accepted (older ones count less)."""
+        self.spec_hits = decay * self.spec_hits + accepted
+        self.spec_trials = decay * self.spec_trials + accepted + (accepted < drafted)
 
     @property
     def generated(self) -> int:
@@ -103,11 +121,13 @@ class RaggedCall:
 
     shape: RaggedShape
     rows: list[tuple[Seq | None, int]]
+    drafts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # slot -> the drafts it feeds
     samples: list[bool] = dataclasses.field(init=False)
     starts: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        self.samples = [s is not None and n > 0 and s.cached + n == len(s.tokens) for s, n in self.rows]
+        self.samples = [s is not None and n > 0 and s.cached + n - len(self.drafts.get(b, ())) == len(s.tokens)
+                        for b, (s, n) in enumerate(self.rows)]
 
 
 def pow2_upto(n: int, lo: int = 1) -> list[int]:
@@ -132,7 +152,7 @@ class Scheduler:
 
     def __init__(self, slots: int, pool: PagePool, max_len: int, prefill_chunk: int, min_read_tokens: int = 256,
                  idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64,
-                 ragged_block: int | None = None):
+                 ragged_block: int | None = None, speculative_tokens: int = 0):
         self.pool, self.max_len, self.chunk = pool, max_len, prefill_chunk
         self.idle = max(prefill_chunk, idle_chunk or prefill_chunk)
         self.shards = pool.shards
@@ -167,6 +187,10 @@ class Scheduler:
             self.decode_sizes = pow2_upto(slots, lo=max(1, slots // 8))  # at most 4: a spare row costs little
             top = -(-self.idle // G) * G
             self.region_sizes = sorted({-(-t // G) * G for t in pow2_upto(top, lo=min(top, max(64, G)))})
+        # Speculative decoding: a step with no prompt chunk where some row feeds drafts verifies them all, in a
+        # decode region of up to every slot's token and its speculative_tokens drafts.
+        self.spec = speculative_tokens
+        self.verify_sizes = pow2_upto(slots * (1 + self.spec), lo=max(2, slots // 8)) if self.spec else []
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
@@ -177,7 +201,8 @@ class Scheduler:
         if self.block is not None:
             W, G = self.max_pages, self.block
             return ([RaggedShape(d, 0, G, self.slots, W) for d in self.decode_sizes]
-                    + [RaggedShape(self.slots, t // G, G, self.slots, W) for t in self.region_sizes])
+                    + [RaggedShape(self.slots, t // G, G, self.slots, W) for t in self.region_sizes]
+                    + [RaggedShape(d, 0, G, self.slots, W, verify=True) for d in self.verify_sizes])
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
@@ -295,7 +320,10 @@ class Scheduler:
     def plan_ragged(self) -> RaggedCall | None:
         """The one ragged step of this engine step (None when nothing runs): every decoding row, and prompt
         chunks first come first served, at most prefill_chunk tokens of them (idle_chunk while none decodes),
-        each chunk counted in whole blocks. Pages are taken first (preempting where none are left)."""
+        each chunk counted in whole blocks. Pages are taken first (preempting where none are left).
+        Speculative decoding: a step with no chunk, where every decoding row can be verified (its `draft` is
+        not None) and some row has a draft, verifies the drafts (a verifying shape); a draft whose pages
+        are not free is dropped (it never preempts)."""
         G = self.block
         live = self.live()
         decoding = [s for s in live if s.decoding]
@@ -310,10 +338,19 @@ class Scheduler:
             left -= blocks_for(n, G) * G
             if n < s.pending:
                 break
+        verify = (self.spec and not chunks and all(s.draft is not None for s in decoding)
+                  and any(s.draft for s in decoding))
         for s, n in chunks + [(s, 1) for s in decoding]:
             if s.slot >= 0:
                 self._grow(s, n)
-        fed = [(s, n) for s, n in chunks + [(s, 1) for s in decoding] if s.slot >= 0]
+        drafts = {}
+        if verify:
+            for s in decoding:
+                d = tuple(s.draft[:self.spec]) if s.slot >= 0 else ()
+                if d and self._grow_free(s, 1 + len(d)):
+                    drafts[s.slot] = d
+        fed = [(s, n) for s, n in chunks + [(s, 1 + len(drafts.get(s.slot, ()))) for s in decoding]
+               if s.slot >= 0]
         if not fed:
             return None
         rows: list[tuple[Seq | None, int]] = [(None, 0)] * self.slots
@@ -321,17 +358,31 @@ class Scheduler:
             rows[s.slot] = (s, n)
         chunk_tokens = sum(blocks_for(n, G) * G for _, n in fed if n > 1)
         W = self.max_pages
-        if chunk_tokens == 0:
+        if drafts:
+            shape = RaggedShape(bucket(sum(n for _, n in fed), self.verify_sizes), 0, G, self.slots, W, verify=True)
+        elif chunk_tokens == 0:
             shape = RaggedShape(bucket(len(fed), self.decode_sizes), 0, G, self.slots, W)
         else:
             shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots, W)
-        return RaggedCall(shape, rows)
+        return RaggedCall(shape, rows, drafts)
+
+    def _grow_free(self, seq: Seq, n: int) -> bool:
+        """Pages for seq's next n tokens if the pool has them (evicting idle cached pages, never preempting)."""
+        need = self._pages_for(seq.cached + n) - len(seq.pages)
+        got = self.pool.take(seq.slot // self.per_shard, need) if need > 0 else []
+        if got is None:
+            return False
+        seq.pages += got
+        return True
 
     def ragged_inputs(self, call: RaggedCall, batch: dict) -> None:
         """Fill a ragged batch (k2jax.runtime.runner.ragged_host_batch) with the call's rows: the layout
         (k2jax.runtime.layout.lay_out), prompt lengths and resets; sets call.starts."""
-        feeds = {b: Feed(tuple(s.tokens[s.cached:s.cached + n]), s.cached, tuple(s.pages))
-                 for b, (s, n) in enumerate(call.rows) if s is not None}
+        feeds = {}
+        for b, (s, n) in enumerate(call.rows):
+            if s is not None:
+                d = call.drafts.get(b, ())
+                feeds[b] = Feed(tuple(s.tokens[s.cached:s.cached + n - len(d)]) + d, s.cached, tuple(s.pages))
         for k, v in lay_out(call.shape, feeds).items():
             batch[k][...] = v
         call.starts = {b: start for b, (_, start) in place(call.shape, feeds).items()}
@@ -437,13 +488,21 @@ class Scheduler:
             batch["prompt_len"][i] = seq.prompt_len
             batch["reset"][i] = seq.new_slot  # its first step in this slot: the slot's state starts afresh
 
-    def advance(self, call: Call) -> None:
-        """The call ran: each row's pages hold its fed tokens; index the full pages for reuse."""
-        for seq, n in call.rows:
+    def advance(self, call: Call | RaggedCall) -> None:
+        """The call ran: each row's pages hold its fed tokens (drafts apart: see `verified`); index the full
+        pages for reuse."""
+        drafts = call.drafts if isinstance(call, RaggedCall) else {}
+        for b, (seq, n) in enumerate(call.rows):
             if seq is not None:
-                seq.cached += n
+                seq.cached += n - len(drafts.get(b, ()))
                 seq.new_slot = False
                 self.pool.register(seq.slot // self.per_shard, seq.tokens[:seq.cached], seq.pages, seq.keys)
+
+    def verified(self, seq: Seq, accepted: int) -> None:
+        """seq's first `accepted` drafts were accepted (and are now its tokens): its pages hold them too."""
+        if accepted and seq.slot >= 0:
+            seq.cached += accepted
+            self.pool.register(seq.slot // self.per_shard, seq.tokens[:seq.cached], seq.pages, seq.keys)
 
     def finish(self, seq: Seq) -> None:
         """seq is done (or cancelled): free its slot and let go of its pages (indexed ones stay cached)."""

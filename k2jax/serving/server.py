@@ -92,6 +92,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one device). rectangular: one call per prompt chunk and one over the decoding rows, a "
                         "program per (rows, tokens, cache read) bucket; the step times are weighed as "
                         "--fixed-chunks says. auto (default): ragged on one device, rectangular on a mesh")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: ngram = prompt lookup (each decoding request's last few tokens "
+                        "looked up earlier in its own prompt and output; what followed them is drafted), and one "
+                        "step verifies every request's drafts; the output is what it would be without (greedy: "
+                        "the same tokens; sampling: the same distribution). Ragged steps only (one device). "
+                        "Requests with a grammar or penalties are not sped up, and a step where one of them "
+                        "decodes runs without drafts (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most tokens drafted per request and step with --speculative (default 4)")
+    p.add_argument("--prompt-lookup-max", type=int, default=3, metavar="N",
+                   help="--speculative ngram: the longest suffix looked up, in tokens (default 3)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+                   help="--speculative ngram: the shortest suffix looked up (default 2: a single token recurs "
+                        "too often to predict what follows it)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
                    help="an idle server waits up to this long after a request for others arriving with it, so a "
                         "burst is prefilled in one batch (a wait also ends when a quarter of it passes with no new "
@@ -359,7 +373,9 @@ def _run(args, sock) -> int:
                     max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
                     grammars=_grammars(tok, model.cfg, args.json_whitespace), idle_chunk=args.idle_prefill_chunk,
                     stall_bound=not args.fixed_chunks,
-                    ragged=None if args.step_layout == "auto" else args.step_layout == "ragged")
+                    ragged=None if args.step_layout == "auto" else args.step_layout == "ragged",
+                    speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                    prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
