@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from k2jax.runtime import speculate
-from k2jax.runtime.sampling import default_rows, sample_rows, set_row
+from k2jax.runtime.sampling import sample_rows
 from k2jax.runtime.speculate import NgramProposer
+from tests.test_sampling import ref_distribution, rows_for
 
 SAMPLE = jax.jit(sample_rows)
 
@@ -117,20 +118,9 @@ SMALL_B = 60  # the batch of the other tests: one shape, so one compilation each
 CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # chi-square at p = 0.001, by dof
 
 
-def rows_for(settings, **common):
-    rows = default_rows(len(settings))
-    for i, s in enumerate(settings):
-        set_row(rows, i, **{**common, **s})
-    return rows
-
-
 def ref_probs(logits, temperature, top_k=0):
-    """softmax(logits / T), restricted to the top_k best ids and renormalised (no ties in LOGITS)."""
-    z = logits.astype(np.float64) / temperature
-    if top_k:
-        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
-    p = np.exp(z - z.max())
-    return p / p.sum()
+    """softmax(logits / T), restricted to the top_k best ids and renormalised (test_sampling's reference)."""
+    return ref_distribution(logits, {"temperature": temperature, "top_k": top_k})
 
 
 def chi2(counts, probs):
