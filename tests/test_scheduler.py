@@ -88,3 +88,34 @@ def test_the_scheduler_and_its_types_import_no_jax():
                 assert m.split(".")[0] not in ("jax", "jaxlib", "flax"), (name, m)
                 if m.startswith("k2jax."):
                     assert m.startswith("k2jax.runtime.") and m.split(".")[2] in free, (name, m)
+
+
+def test_drafts_are_verified_in_a_step_of_their_own_and_never_preempt():
+    """Speculative decoding: decoding rows with drafts feed them in a verifying step (no prompt chunk beside),
+    counted as cached only when accepted; a draft whose pages are not free is dropped rather than preempting;
+    a row that cannot be verified (draft None) keeps the step plain."""
+    pool = PagePool(5, 1, PAGE, False)  # the trash page and 4 pages of 8 tokens
+    sched = Scheduler(4, pool, max_len=64, prefill_chunk=16, idle_chunk=32, ragged_block=4, speculative_tokens=3)
+    a, b = _seq(7), _seq(15, start=200)
+    for s in (a, b):
+        sched.add(s)
+    sched.admit()
+    _ran(sched, sched.plan_ragged())  # both prompts: 7 and 15 tokens held, 3 pages taken, 1 free
+    assert a.decoding and b.decoding and pool.free_count() == 1
+    a.draft, b.draft = [1, 2, 3], [4, 5]
+    call = sched.plan_ragged()
+    # a's 7 held + 4 fed need a second page, the free one; b's 15 + 3 would need a third, none is left: b feeds
+    # its token alone, and nobody is preempted
+    assert call.shape == RaggedShape(decode=8, blocks=0, block=4, rows=4, table_pages=8, verify=True)
+    assert [(s, n) for s, n in call.rows][:2] == [(a, 4), (b, 1)] and call.drafts == {0: (1, 2, 3)}
+    assert call.samples[:2] == [True, True] and sched.preemptions == 0 and sched.live() == [a, b]
+    sched.advance(call)
+    assert a.cached == 7 + 1 and b.cached == 15 + 1  # the drafts are not cached until accepted
+    a.tokens += [1, 2, 9]  # two drafts accepted, then the model's own token
+    b.tokens.append(6)
+    sched.verified(a, 2)
+    assert a.cached == 10 and a.pending == 1
+    sched.finish(b)  # (its next token would need the last page)
+    a.draft = None  # a row that cannot be verified: a plain decode step
+    call = sched.plan_ragged()
+    assert not call.shape.verify and not call.drafts and [n for _, n in call.rows][0] == 1

@@ -33,7 +33,7 @@ from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
 from k2jax.runtime.requests import Event, QueueFull, Request, SamplingParams
-from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq, bucket
+from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
 from k2jax.sharding import use_mesh
 
 DEFAULT_PAGE_SIZE = 64
@@ -249,10 +249,7 @@ class Engine:
                 note(f"compiled in {time.perf_counter() - t0:.1f} s; timing {len(set(timed))} of the steps")
             self.sched.step_s = self.time_steps(timed)
             if self.proposer is not None:  # what a verifying step costs against a plain decode
-                s = self.sched
-                self.spec_step_s = self.time_steps(
-                    [RaggedShape(d, 0, s.block, s.slots, s.max_pages, v) for v, sizes in
-                     ((False, s.decode_sizes), (True, s.verify_sizes)) for d in sizes])
+                self.spec_step_s = self.time_steps([sh for sh in self.sched.shapes() if sh.blocks == 0])
         return time.perf_counter() - t0
 
     def time_steps(self, shapes, repeats: int = 2) -> dict:
@@ -399,9 +396,8 @@ class Engine:
         timed step (warm_up's time, then a moving average of the engine steps of that shape as they run,
         host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (Each verified
         token costs the reading of its own experts: on a small batch a verifying step can take several times
-        a decode step.) Drafts cut away are kept as the row's
-        `shadow`: the next token tells whether the first would have been accepted, so a row that does not
-        speculate still learns its rate."""
+        a decode step.) Drafts cut away are kept as the row's `shadow`: the next token tells whether the
+        first would have been accepted, so a row that does not speculate still learns its rate."""
         s = self.sched
         rows = [q for q in s.live() if q.decoding]
         if not rows or any(q.draft is None for q in rows):
@@ -412,10 +408,7 @@ class Engine:
             D = len(rows) + sum(n)
             if k and not any(n):
                 break
-            sizes = s.verify_sizes if k else s.decode_sizes
-            if D > sizes[-1]:
-                continue
-            shape = RaggedShape(bucket(D, sizes), 0, s.block, s.slots, s.max_pages, bool(k))
+            shape = s.decode_shape(D, verify=bool(k))
             gain = sum(sum(q.accept_rate ** (i + 1) for i in range(m)) for q, m in zip(rows, n))
             # Drafts must beat a plain decode by SPEC_MARGIN: the estimates are rough, and a loss costs every row.
             rate = (len(rows) + gain) / (self.spec_step_s[shape] * (SPEC_MARGIN if k else 1.0))
@@ -481,44 +474,33 @@ class Engine:
                     stop_ids=p.stop_ids[:sampling.MAX_STOP_IDS] if p.min_tokens else (),
                     logit_bias=p.logit_bias, top_logprobs=p.logprobs or 0, vocab_size=self.model.cfg.vocab_size)
 
-    def _emit(self, call: Call, out: dict) -> None:
-        """Hand each sampling row's new token to its request."""
+    def _emit(self, call: Call | RaggedCall, out: dict) -> None:
+        """Hand each sampling row's new tokens to its request: its sampled token, or after a verifying step
+        its accepted drafts, then the model's own next token."""
         if not any(call.samples):
-            return
-        if isinstance(call, RaggedCall) and call.shape.verify:
-            self._emit_verified(call, out)
             return
         tokens = _host(out["tokens"])
         want_lp = any(s is not None and s.req.params.logprobs is not None for s, _ in call.rows)
         lp = {k: _host(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if want_lp else None
         masked = _host(out["all_masked"]) if "all_masked" in out else np.zeros(len(tokens), bool)
-        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
-            if samples and not seq.finished and not seq.req.finished:
-                if seq.shadow:  # drafts not verified: the row's acceptance record learns from them anyway
-                    seq.verified(1, int(seq.shadow[0] == int(tokens[i])))
-                    seq.shadow = []
-                seq.tokens.append(int(tokens[i]))
-                lps = None if lp is None or seq.req.params.logprobs is None else \
-                    _logprobs(lp, i, int(tokens[i]), seq.req.params.logprobs)
-                self._emit_token(seq.req, int(tokens[i]), lps, bool(masked[i]))
-
-    def _emit_verified(self, call: RaggedCall, out: dict) -> None:
-        """A verifying step's outputs: each row's accepted drafts, then the model's own next token."""
-        tokens, emitted = _host(out["tokens"]), _host(out["emitted"])
-        want_lp = any(s is not None and s.req.params.logprobs is not None for s, _ in call.rows)
-        lp = {k: _host(out[k]) for k in ("logprob", "top_ids", "top_logprobs")} if want_lp else None
-        masked = _host(out["all_masked"])
+        verify = isinstance(call, RaggedCall) and call.shape.verify
+        emitted = _host(out["emitted"]) if verify else None
         m = self.metrics
-        for b, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
             if not samples or seq.finished or seq.req.finished:
                 continue
-            drafted, e = len(call.drafts.get(b, ())), int(emitted[b])
+            # Its outputs: flat tokens [first, first + n) of a verifying step, else its row's one token.
+            first, n = (call.starts[i], int(emitted[i])) if verify else (i, 1)
+            drafted = len(call.drafts.get(i, ())) if verify else 0
             if drafted:
                 m.spec_verified += 1
                 m.spec_drafted += drafted
-                m.spec_accepted += e - 1
-                seq.verified(drafted, e - 1)
-            for t in range(call.starts[b], call.starts[b] + e):
+                m.spec_accepted += n - 1
+                seq.record_drafts(drafted, n - 1)
+            elif seq.shadow:  # drafts not fed: the row's acceptance record learns from them anyway
+                seq.record_drafts(1, int(seq.shadow[0] == int(tokens[first])))
+            seq.shadow = []
+            for t in range(first, first + n):
                 tok = int(tokens[t])
                 seq.tokens.append(tok)
                 lps = None if lp is None or seq.req.params.logprobs is None else \
@@ -527,7 +509,7 @@ class Engine:
                 if seq.req.finished:
                     break
             else:
-                self.sched.verified(seq, e - 1)
+                self.sched.verified(seq, n - 1)
 
     def _emit_token(self, r: Request, tok: int, logprobs, masked: bool) -> None:
         """Record a new token of `r`: report the text that is final, finish on a stop or the limit. The text

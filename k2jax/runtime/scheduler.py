@@ -80,7 +80,7 @@ class Seq:
         """The chance its next draft is accepted, as its record says (1/2 before any: Laplace's rule)."""
         return (self.spec_hits + 1) / (self.spec_trials + 2)
 
-    def verified(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
+    def record_drafts(self, drafted: int, accepted: int, decay: float = 0.9) -> None:
         """Record a verification: `accepted` of its `drafted` drafts accepted (older ones count less)."""
         self.spec_hits = decay * self.spec_hits + accepted
         self.spec_trials = decay * self.spec_trials + accepted + (accepted < drafted)
@@ -347,7 +347,7 @@ class Scheduler:
         if verify:
             for s in decoding:
                 d = tuple(s.draft[:self.spec]) if s.slot >= 0 else ()
-                if d and self._grow_free(s, 1 + len(d)):
+                if d and self._grow(s, 1 + len(d), preempt=False):
                     drafts[s.slot] = d
         fed = [(s, n) for s, n in chunks + [(s, 1 + len(drafts.get(s.slot, ()))) for s in decoding]
                if s.slot >= 0]
@@ -357,23 +357,18 @@ class Scheduler:
         for s, n in fed:
             rows[s.slot] = (s, n)
         chunk_tokens = sum(blocks_for(n, G) * G for _, n in fed if n > 1)
-        W = self.max_pages
-        if drafts:
-            shape = RaggedShape(bucket(sum(n for _, n in fed), self.verify_sizes), 0, G, self.slots, W, verify=True)
-        elif chunk_tokens == 0:
-            shape = RaggedShape(bucket(len(fed), self.decode_sizes), 0, G, self.slots, W)
+        if drafts or chunk_tokens == 0:
+            shape = self.decode_shape(sum(n for _, n in fed), verify=bool(drafts))
         else:
-            shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots, W)
+            shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots,
+                                self.max_pages)
         return RaggedCall(shape, rows, drafts)
 
-    def _grow_free(self, seq: Seq, n: int) -> bool:
-        """Pages for seq's next n tokens if the pool has them (evicting idle cached pages, never preempting)."""
-        need = self._pages_for(seq.cached + n) - len(seq.pages)
-        got = self.pool.take(seq.slot // self.per_shard, need) if need > 0 else []
-        if got is None:
-            return False
-        seq.pages += got
-        return True
+    def decode_shape(self, tokens: int, verify: bool = False) -> RaggedShape:
+        """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens (a verifying
+        one: the decoding rows' tokens and their drafts)."""
+        sizes = self.verify_sizes if verify else self.decode_sizes
+        return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify)
 
     def ragged_inputs(self, call: RaggedCall, batch: dict) -> None:
         """Fill a ragged batch (k2jax.runtime.runner.ragged_host_batch) with the call's rows: the layout
@@ -427,9 +422,9 @@ class Scheduler:
                 break
         return chunks
 
-    def _grow(self, seq: Seq, n: int) -> bool:
+    def _grow(self, seq: Seq, n: int, preempt: bool = True) -> bool:
         """Pages for seq's next n tokens, preempting the newest sequences of its shard if none are left;
-        False if seq itself was preempted (it waits again)."""
+        False if seq itself was preempted (it waits again), or if none were left and not `preempt`."""
         shard = seq.slot // self.per_shard
         need = self._pages_for(seq.cached + n) - len(seq.pages)
         while need > 0:
@@ -437,6 +432,8 @@ class Scheduler:
             if got is not None:
                 seq.pages += got
                 return True
+            if not preempt:
+                return False
             victim = max((s for s in self.live() if s.slot // self.per_shard == shard), key=lambda s: s.order)
             self.preempt(victim)
             if victim is seq:
