@@ -48,7 +48,13 @@ export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile 
 # scans every entry under a file lock, and caching every program made the suite slower (1760 s against 1593 s
 # with only the programs of a second or more); instead the whole cache starts afresh past 4 GiB. (The TPU
 # checks gain nothing: a compile-only TPU client cannot load a cached executable back.)
-export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla}"
+# One cache per host CPU (k2jax.runtime.compiles.host_cpu_key): XLA:CPU builds for the CPU it runs on and
+# jax's cache key does not say which, so a cache kept between runs on machines whose CPUs differ hands programs
+# to CPUs they were not built for (a test worker once died in native code loading a cached program). The files
+# of the earlier, shared cache (one folder for every CPU) go.
+cpu_key=$("$main_env/bin/python" -c "from k2jax.runtime.compiles import host_cpu_key; print(host_cpu_key())")
+[[ -d $cache/xla ]] && find "$cache/xla" -maxdepth 1 -type f -delete
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla/$cpu_key}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 # The TPU compiler's outputs for the full-model checks (k2jax.aot.compile): nine minutes of compiling otherwise.
 export K2JAX_AOT_CACHE="${K2JAX_AOT_CACHE:-$cache/aot}"
@@ -60,9 +66,12 @@ for dir in "$JAX_COMPILATION_CACHE_DIR" "$K2JAX_AOT_CACHE"; do
 done
 
 # Two workers (pytest-xdist), whole files per worker so that a file's module-scoped fixtures (servers,
-# conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process.
+# conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process. A worker that dies (a
+# native crash) ends the run at once, naming its test: pytest-xdist's replacement of a crashed worker under
+# --dist loadfile can leave the run waiting forever.
 set +e
-"$main_env/bin/python" -m pytest -n "${K2JAX_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
+"$main_env/bin/python" -m pytest -n "${K2JAX_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 \
+  --durations=25 "$@"
 rc=$?
 set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected

@@ -70,8 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the cached pages of earlier prompts (the prefix cache is on by default)")
     p.add_argument("--compile-cache", metavar="DIR", default=None,
                    help="keep compiled programs in DIR, so that a restart with the same settings skips most of the "
-                        "compiling (default: $JAX_COMPILATION_CACHE_DIR where set, else ~/.cache/k2jax/xla; 'none' "
-                        "turns it off)")
+                        "compiling (default: $JAX_COMPILATION_CACHE_DIR where set, else a folder per host CPU "
+                        "under ~/.cache/k2jax/xla; 'none' turns it off)")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="most prompt tokens prefilled per engine step while requests decode, so they keep going "
                         "(default 512)")
@@ -179,14 +179,17 @@ def load_model(args):
 def use_compile_cache(directory: str | None) -> None:
     """Keep compiled programs on disk (jax's persistent compilation cache), so that a restart with the same
     settings loads them instead of compiling. Without a directory: jax's own JAX_COMPILATION_CACHE_DIR where
-    set, else ~/.cache/k2jax/xla; programs that took 0.5 s to compile or more, unless
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
+    set, else ~/.cache/k2jax/xla/<host CPU> (k2jax.runtime.compiles.host_cpu_key: a home directory shared by
+    machines with different CPUs must not hand one's XLA:CPU programs to another); programs that took 0.5 s
+    to compile or more, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     import jax
+
+    from k2jax.runtime.compiles import host_cpu_key
 
     if directory == "none":
         return
     directory = (directory or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                 or os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla"))
+                 or os.path.join(os.path.expanduser("~"), ".cache", "k2jax", "xla", host_cpu_key()))
     jax.config.update("jax_compilation_cache_dir", directory)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
