@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from k2jax.runtime import sampling, speculate
-from k2jax.runtime.cache import data_shards, pool_tokens
+from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards, pool_tokens
 from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedShape
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
@@ -36,7 +36,6 @@ from k2jax.runtime.requests import Event, QueueFull, Request, SamplingParams
 from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
 from k2jax.sharding import use_mesh
 
-DEFAULT_PAGE_SIZE = 64
 SPEC_MARGIN = 1.1  # drafts are fed where their step's expected tokens per second beat a decode's by this
 
 
