@@ -543,7 +543,7 @@ def entry_parameter_numbers(module: Module) -> dict[str, int]:
 
 
 # Ops that move no bytes of their own: views, bookkeeping, and the calls whose bodies are counted instead.
-_NO_TRAFFIC = _NO_BUFFER | {"iota"}
+_NO_TRAFFIC = _NO_BUFFER | {"iota", "slice-done"}  # slice-done: its slice-start counts the slice
 # In a fusion, an operand read only through these reads just their results (the slice, the rows gathered).
 _SLICING = ("dynamic-slice", "slice", "gather")
 
@@ -680,6 +680,8 @@ def traffic(module: Module, top: int = 10) -> Traffic:
                 read, written = _fusion_operand_bytes(module, inst, comp)
             elif inst.op in ("dynamic-slice", "slice", "gather"):
                 read, written = inst.nbytes, inst.nbytes
+            elif inst.op == "slice-start" and len(inst.shapes) >= 2:  # async: (operand, slice, context)
+                read = written = inst.shapes[-2].nbytes
             elif inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
                 upd = comp.instructions.get(inst.operands[1])
                 read = written = upd.nbytes if upd else inst.nbytes

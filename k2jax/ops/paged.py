@@ -15,8 +15,10 @@ pages (128-wide tiles would pad 576 to 640 in the natural layout), and every ste
 three times to and from the layouts its gathers and scatters use (measured by the ahead-of-time compile,
 k2jax.aot). A [.., 640] pool keeps its natural layout at any size, in the same bytes that layout takes.
 
-A float8 pool holds e4m3 values with a float32 scale per token and part (ckv, k_pe): scales [L, A, Y, 2],
-amax / 448 each. Reads dequantize only the pages they gather.
+A float8 pool holds e4m3 values with a float32 scale per token and part (ckv, k_pe), amax / 448 each: scales
+[L, A, 2 * Y], a page's Y latent scales then its Y rope-key scales. (Held [L, A, Y, 2], the TPU lays them out
+pages-minor, and a gather of the rows' pages' scales first copied the whole array to another layout.) Reads
+dequantize only the pages they gather.
 
 On a mesh the pool's page axis is split over `shard_axes` (the batch's mesh axes, k2jax.sharding's "batch"
 rule, as the cache's maker chose them): each data-parallel shard owns a contiguous part of the pool, with its
@@ -46,7 +48,7 @@ TRASH_PAGE = 0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """pages {group: [L, A, Y, C + pad]} (bf16 / f32 / e4m3); scales {group: [L, A, Y, 2]} float32 for an e4m3
+    """pages {group: [L, A, Y, C + pad]} (bf16 / f32 / e4m3); scales {group: [L, A, 2 * Y]} float32 for an e4m3
     pool, else {}; page_table [B, W] int32 (global page ids); lengths [B] int32; rope_dim P and shard_axes
     (the mesh axes the pool's pages are split over) static."""
 
@@ -92,14 +94,7 @@ class PagedCache:
 
         def local(first, table_BW, layer, pages, *scales):
             B, W = table_BW.shape
-            table_BW = table_BW - first
-            x_BWYC = pages[layer, table_BW][..., :C]  # a gather: reads the rows' pages only, not the layer's pool
-            if not scales:
-                x_BWYC = x_BWYC.astype(dtype)
-            else:
-                s_BWY2 = scales[0][layer, table_BW]
-                x_BWYC = jnp.concatenate([x_BWYC[..., :R].astype(jnp.float32) * s_BWY2[..., :1],
-                                          x_BWYC[..., R:].astype(jnp.float32) * s_BWY2[..., 1:]], -1).astype(dtype)
+            x_BWYC = gather_latents(pages, scales[0] if scales else None, layer, table_BW - first, C, R, dtype)
             return (x_BWYC.reshape(B, W * x_BWYC.shape[2], -1),)
 
         extra = () if scales is None else (scales,)
@@ -136,7 +131,7 @@ class PagedCache:
                 slot_BT = jnp.where(real_BT, pos_BT % Y, 0)
                 out = (pages.at[:, page_BT, slot_BT].set(x_LBTC),)
                 if quant:  # (scales, new scales)
-                    out += (quant[0].at[:, page_BT, slot_BT].set(quant[1]),)
+                    out += (set_scales(quant[0], page_BT, slot_BT, quant[1]),)
                 return out
 
             quant = () if s_LBT2 is None else (scales[g], s_LBT2)
@@ -154,6 +149,32 @@ class PagedCache:
         axes = split_axes(self.shard_axes, args[0].shape[0])
         shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
         return per_shard(lambda shard, *xs: fn(shard * (self.num_pages // shards), *xs), args, dims, out_dims, axes)
+
+
+def gather_latents(pages_LAYC, scales_LA2Y, layer, ids, C: int, R: int, dtype):
+    """Pages `ids` (any shape [...]) of layer `layer`, gathered (those only, not the layer's pool) and
+    dequantized -> [..., Y, C] in dtype. pages [L, A, Y, C + pad]; scales [L, A, 2 * Y] (a page's latent
+    scales, then its rope keys') or None for unquantized pages."""
+    x_YC = pages_LAYC[layer, ids][..., :C]
+    if scales_LA2Y is None:
+        return x_YC.astype(dtype)
+    s_Y2 = page_scales(scales_LA2Y[layer, ids])
+    f32 = jnp.float32
+    return jnp.concatenate([x_YC[..., :R].astype(f32) * s_Y2[..., :1],
+                            x_YC[..., R:].astype(f32) * s_Y2[..., 1:]], -1).astype(dtype)
+
+
+def page_scales(s_X):
+    """Pages' scales as held, [..., 2 * Y] -> [..., Y, 2] (each token's latent and rope-key scale)."""
+    return jnp.swapaxes(s_X.reshape(s_X.shape[:-1] + (2, s_X.shape[-1] // 2)), -1, -2)
+
+
+def set_scales(scales_LA2Y, page, slot, s_2):
+    """scales [L, A, 2 * Y] with each token's two scales s [L, ..., 2] written at its page and slot (page and
+    slot [...], int32: the token's)."""
+    Y = scales_LA2Y.shape[-1] // 2
+    part = jnp.asarray([0, Y], slot.dtype)
+    return scales_LA2Y.at[:, page[..., None], slot[..., None] + part].set(s_2)
 
 
 def quantize_latents(x_LBTC, R: int):

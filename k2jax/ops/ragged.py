@@ -17,7 +17,8 @@ online softmax that visits each row's pages a few at a time in a loop whose trip
 cached row, not a static read size: one program serves every cache length. Then the new tokens: a decode
 token sees its row's decode tokens up to itself (itself alone, but for a verifying row's drafts); a chunk
 block sees its row's blocks up to its own (the others are skipped, not masked).
-A TPU kernel takes the same metadata (the layout above, page_table, lengths).
+On a TPU, each region's reads of its rows' cached keys run as a Pallas kernel that reads the pool in place
+through the page table (k2jax.ops.paged_mla, the same metadata); `over_cache` is its XLA form.
 
 Letters as in k2jax.nn.mla: T flat tokens, D decode tokens, M chunk blocks, G tokens per block, B rows,
 W pages per row, A pages in the pool, Y tokens per page, N heads, R kv_lora_rank, P rope head dim, C = R + P,
@@ -33,8 +34,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from k2jax.ops.paged import TRASH_PAGE, quantize_latents
+from k2jax.ops.paged import TRASH_PAGE, gather_latents, quantize_latents, set_scales
 from k2jax.ops.attention import absorbed_is_cheaper
+from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
 
 _NEG_INF = -1e30
@@ -90,7 +92,7 @@ class RaggedCache:
             x_LTC = jnp.concatenate([kv["ckv"][:, 0], kv["k_pe"][:, 0].astype(kv["ckv"].dtype)], -1)
             if self.scales:
                 x_LTC, s_LT2 = quantize_latents(x_LTC, kv["ckv"].shape[-1])
-                scales[g] = scales[g].at[:, page_T, slot_T].set(s_LT2)
+                scales[g] = set_scales(scales[g], page_T, slot_T, s_LT2)
             x_LTC = jnp.pad(x_LTC.astype(pages[g].dtype), [(0, 0), (0, 0), (0, self.pad)])
             pages[g] = pages[g].at[:, page_T, slot_T].set(x_LTC)
         added_B = jnp.zeros_like(self.lengths).at[self.row_T].add(self.valid_T.astype(self.lengths.dtype))
@@ -115,14 +117,14 @@ class RaggedContext:
         return out_TNV[None]
 
 
-def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, pages_LAYC, scales_LAY2, layer,
+def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, pages_LAYC, scales_LA2Y, layer,
                      table_BW, lengths_B, row_T, pos_T, valid_T, decode: int, block: int, pad: int = 0,
                      dtype=None):
     """Attention of a ragged step's new tokens (laid out as the module docstring says) over their rows'
     cached tokens and their own row's new tokens.
 
     q_nope [T, N, K], q_pe [T, N, P] (rotated), ckv [T, R] (normalised), k_pe [T, P] (rotated): the new
-    tokens'; w_kv_b [R, N, K + V]; pages [L, A, Y, C + pad] (the group's pool; e4m3 with scales [L, A, Y, 2],
+    tokens'; w_kv_b [R, N, K + V]; pages [L, A, Y, C + pad] (the group's pool; e4m3 with scales [L, A, 2 * Y],
     or scales None) and `layer`, the index into it (read together with the page ids: one gather, no copy of
     the layer's pool); table [B, W]; lengths [B]; row, pos, valid [T]. -> [T, N, V] in `dtype` (default the new
     latents'). Scores and the softmax in float32."""
@@ -138,10 +140,10 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
     D, G = decode, block
     M = (T - D) // G
     assert D + M * G == T, f"{T} tokens are not {D} decode tokens and whole blocks of {G}"
-    pool = (pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad, dt)
+    pool = (pages_LAYC, scales_LA2Y, layer, table_BW, lengths_B, R, pad, dt)
     outs = []  # each region's normalised outputs [tokens, N, V], float32
     if D:  # each token: its row's cached keys, then its row's tokens in the region up to itself
-        st = _over_cache(q_lat_TNR[:D, None], q_pe_TNP[:D, None], row_T[:D], valid_T[:D], *pool,
+        st = cache_state(q_lat_TNR[:D, None], q_pe_TNP[:D, None], row_T[:D], valid_T[:D], *pool,
                          DECODE_VISIT_KEYS)
         # The region's tokens as one group of D queries over its D keys (a decoding row's own token, and a
         # verifying row's tokens before it), each seeing its own row's up to its position.
@@ -166,7 +168,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
             cached = live_M & ~first_M
             parts.append(_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
                                               row_M[::Q // G], Q, *pool, w_kv_b_RNX, CHUNK_VISIT_KEYS))
-        m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in _over_cache(
+        m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in cache_state(
             blocks(q_lat_TNR), blocks(q_pe_TNP), row_M, cached, *pool, CHUNK_VISIT_KEYS))
         # W_UV takes the absorbed part's latent sum to values.
         parts.append((m1, l1, jnp.einsum("TNR,RNV->TNV", acc1.astype(dt), w_uv_RNV, preferred_element_type=f32)))
@@ -207,10 +209,26 @@ def _update(state, s_MgNZ, see_MgNZ, ckv_MZR, dt):
     return m_new, l * corr + p_MgNZ.sum(-1), acc * corr[..., None] + pv_MgNR
 
 
-def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, layer, table_BW, lengths_B, R, pad,
-                dt, visit_keys: int):
-    """The online-softmax state of each query group after its row's cached keys (positions < lengths[row]),
-    read visit_keys at a time (whole pages) for as many visits as the step's longest live row needs."""
+def cache_state(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, layer, table_BW, lengths_B, R,
+                pad, dt, visit_keys: int):
+    """over_cache's result, computed where the program runs: on a TPU by the Pallas kernel that reads the
+    pool in place (k2jax.ops.paged_mla), elsewhere by over_cache itself."""
+    def xla(*args):
+        return over_cache(*args, R, pad, dt, visit_keys)
+
+    def kernel(*args):
+        return paged_mla(*args, R, pad)
+
+    return jax.lax.platform_dependent(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, layer,
+                                      table_BW, lengths_B, tpu=kernel, default=xla)
+
+
+def over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, layer, table_BW, lengths_B, R, pad,
+               dt, visit_keys: int):
+    """The online-softmax state (m, l [M, g, N], acc [M, g, N, R], float32) of each query group (g tokens of
+    one row: q_lat [M, g, N, R], q_pe [M, g, N, P], scaled) after its row's cached keys (positions <
+    lengths[row]; none where live is False), read visit_keys at a time (whole pages) for as many visits as the
+    step's longest live row needs: XLA's form, gathering each visit's pages."""
     M, g, N, _ = q_lat_MgNR.shape
     Y = pages_LAYC.shape[2]
     C = pages_LAYC.shape[-1] - pad
@@ -222,7 +240,7 @@ def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, l
     f32 = jnp.float32
 
     def visit(i, state):
-        x_MZC = _visit_keys(pages_LAYC, scales_LAY2, layer, table_MW, i, v, C, R, dt)
+        x_MZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_MW, i, v, C, R, dt)
         see_MZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_M[:, None]
         s = _scores(q_lat_MgNR, q_pe_MgNP, x_MZC[..., :R], x_MZC[..., R:])
         return _update(state, s, see_MZ[:, None, None, :], x_MZC[..., :R], dt)
@@ -231,22 +249,15 @@ def _over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LAY2, l
     return jax.lax.fori_loop(0, visits, visit, init)
 
 
-def _visit_keys(pages_LAYC, scales_LAY2, layer, table_xW, i, v: int, C: int, R: int, dt):
+def _visit_keys(pages_LAYC, scales_LA2Y, layer, table_xW, i, v: int, C: int, R: int, dt):
     """Visit i's cached keys of each row of table_xW: its pages i*v .. i*v + v - 1 gathered (only those, not
     the layer's pool) and dequantized -> [x, v * Y, C] in dt."""
     ids_xv = jax.lax.dynamic_slice_in_dim(table_xW, i * v, v, axis=1)
-    x_xvYC = pages_LAYC[layer, ids_xv][..., :C]
-    if scales_LAY2 is None:
-        x_xvYC = x_xvYC.astype(dt)
-    else:
-        f32 = jnp.float32
-        s_xvY2 = scales_LAY2[layer, ids_xv]
-        x_xvYC = jnp.concatenate([x_xvYC[..., :R].astype(f32) * s_xvY2[..., :1],
-                                  x_xvYC[..., R:].astype(f32) * s_xvY2[..., 1:]], -1).astype(dt)
+    x_xvYC = gather_latents(pages_LAYC, scales_LA2Y, layer, ids_xv, C, R, dt)
     return x_xvYC.reshape(x_xvYC.shape[0], -1, C)
 
 
-def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAYC, scales_LAY2, layer,
+def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAYC, scales_LA2Y, layer,
                          table_BW, lengths_B, R, pad, dt, w_kv_b_RNX, visit_keys: int):
     """The chunk region's tiles of Q tokens over their first row's cached keys, expanded per head once per
     tile and visit (for a long chunk the cheaper form, as in k2jax.ops.attention.attend): -> (m, l [T, N],
@@ -271,7 +282,7 @@ def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAY
 
     def visit(i, st):
         m, l, acc = st
-        x_nZC = _visit_keys(pages_LAYC, scales_LAY2, layer, table_nW, i, v, C, R, dt)
+        x_nZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_nW, i, v, C, R, dt)
         kv_nNZX = jnp.einsum("nZR,RNX->nNZX", x_nZC[..., :R], w_kv_b_RNX, preferred_element_type=f32).astype(dt)
         s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, kv_nNZX[..., :K], preferred_element_type=f32)
                   + jnp.einsum("nNQP,nZP->nNQZ", q_pe_nNQP, x_nZC[..., R:], preferred_element_type=f32))

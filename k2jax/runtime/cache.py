@@ -67,11 +67,11 @@ def kv_bytes_per_token(cfg: K2Config, kv_dtype="bfloat16", lane: int = 1) -> int
 
 def pool_shapes(cfg: K2Config, num_pages: int, page_size: int, kv_dtype="bfloat16", lane: int = 1):
     """(pages, scales) as jax.ShapeDtypeStruct trees: {group: [L, A, Y, R + P rounded up to lane]} and, for
-    float8, {group: [L, A, Y, 2]} float32 (else {})."""
+    float8, {group: [L, A, 2 * Y]} float32 (k2jax.ops.paged's layout; else {})."""
     dt = storage_dtype(kv_dtype)
     C = token_width(cfg, lane)
     pages = {g: jax.ShapeDtypeStruct((n, num_pages, page_size, C), dt) for g, n in groups(cfg)}
-    scales = ({g: jax.ShapeDtypeStruct((n, num_pages, page_size, 2), jnp.float32) for g, n in groups(cfg)}
+    scales = ({g: jax.ShapeDtypeStruct((n, num_pages, 2 * page_size), jnp.float32) for g, n in groups(cfg)}
               if dt == jnp.float8_e4m3fn else {})
     return pages, scales
 
