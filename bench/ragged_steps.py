@@ -58,9 +58,9 @@ def main():
         read = 0 if cached == 0 else -(-cached // PAGE)
         shape = StepShape(rows, T, read, W)
         b = host_batch(shape, cfg.vocab_size)
-        b["tokens"][:] = rng.integers(0, cfg.vocab_size, b["tokens"].shape)
-        b["table"][:] = table[:rows]
-        b["lengths"][:], b["count"][:] = cached, T
+        b.tokens[:] = rng.integers(0, cfg.vocab_size, b.tokens.shape)
+        b.table[:] = table[:rows]
+        b.lengths[:], b.count[:] = cached, T
         return best(lambda: runner.step(shape, b), args.repeats)
 
     def ragged(rows, T, cached):
@@ -69,8 +69,7 @@ def main():
         feeds = {r: Feed(tuple(rng.integers(0, cfg.vocab_size, T).tolist()), cached, tuple(table[r].tolist()))
                  for r in range(rows)}
         b = ragged_host_batch(shape, cfg.vocab_size)
-        for k, v in lay_out(shape, feeds).items():
-            b[k][...] = v
+        b = b.replace(**lay_out(shape, feeds))
         return best(lambda: runner.step(shape, b), args.repeats)
 
     print(f"{os.path.basename(args.config)}, {dt.name}, {jax.devices()[0].device_kind}; seconds per step, best of "

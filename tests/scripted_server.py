@@ -42,7 +42,7 @@ class ScriptedRunner:
     def step(self, shape, batch) -> dict:
         import jax.numpy as jnp
 
-        samp = batch["samp"]
+        samp = batch.samp
         B = shape.rows
         tokens = np.zeros(B, np.int32)
         for b in range(B):
@@ -54,13 +54,13 @@ class ScriptedRunner:
                 "top_ids": jnp.full((B, 20), -1, jnp.int32), "top_logprobs": jnp.zeros((B, 20), jnp.float32)}
 
     def _record(self, b, batch, seed) -> None:
-        count, start, plen = int(batch["count"][b]), int(batch["lengths"][b]), int(batch["prompt_len"][b])
+        count, start, plen = int(batch.count[b]), int(batch.lengths[b]), int(batch.prompt_len[b])
         if count == 0 or start >= plen:  # an empty row, or a decode row
             return
-        if "row" in batch:  # a ragged step: row b is slot b, its tokens among the flat ones
-            slot, fed = b, batch["tokens"][(batch["row"] == b) & batch["valid"]]
+        if hasattr(batch, "row"):  # a ragged step: row b is slot b, its tokens among the flat ones
+            slot, fed = b, batch.tokens[(batch.row == b) & batch.valid]
         else:
-            slot, fed = int(batch["slot"][b]), batch["tokens"][b, :count]
+            slot, fed = int(batch.slot[b]), batch.tokens[b, :count]
         if start == 0:
             self._prompts[slot] = []
         self._prompts[slot] += [int(t) for t in fed]

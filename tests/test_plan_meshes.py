@@ -111,18 +111,18 @@ def test_runner_step_logprobs_on_the_mesh_equal_one_device(params, spec):
         ps = prompts(B, seed=7)
         first = host_batch(StepShape(B, 16, 0, W), CFG.vocab_size)
         for b, q in enumerate(ps):
-            first["tokens"][b, :len(q)] = q
+            first.tokens[b, :len(q)] = q
         lens = np.array([len(q) for q in ps], np.int32)
-        first |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
-                  "reset": np.ones(B, bool)}
+        first = first.replace(slot=np.arange(B, dtype=np.int32), count=lens, table=table, prompt_len=lens,
+                              reset=np.ones(B, bool))
         outs = [runner.step(StepShape(B, 16, 0, W), first)]
-        nxt = host_batch(StepShape(B, 1, W, W), CFG.vocab_size) | {
-            "slot": first["slot"], "count": np.ones(B, np.int32), "table": table, "lengths": lens,
-            "prompt_len": lens, "tokens": np.asarray(outs[0]["tokens"])[:, None]}
+        nxt = host_batch(StepShape(B, 1, W, W), CFG.vocab_size).replace(
+            slot=first.slot, count=np.ones(B, np.int32), table=table, lengths=lens, prompt_len=lens,
+            tokens=np.asarray(outs[0]["tokens"])[:, None])
         outs.append(runner.step(StepShape(B, 1, W, W), nxt))
-        lone = host_batch(StepShape(1, 1, W, W), CFG.vocab_size) | {
-            "slot": np.array([3], np.int32), "count": np.ones(1, np.int32), "table": table[3:4],
-            "lengths": lens[3:4] + 1, "prompt_len": lens[3:4], "tokens": np.asarray(outs[1]["tokens"])[3:4, None]}
+        lone = host_batch(StepShape(1, 1, W, W), CFG.vocab_size).replace(
+            slot=np.array([3], np.int32), count=np.ones(1, np.int32), table=table[3:4], lengths=lens[3:4] + 1,
+            prompt_len=lens[3:4], tokens=np.asarray(outs[1]["tokens"])[3:4, None])
         outs.append(runner.step(StepShape(1, 1, W, W), lone))
         return [{k: np.asarray(v) for k, v in o.items()} for o in outs]
 

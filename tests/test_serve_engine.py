@@ -75,7 +75,7 @@ def _record_fed(eng):
     """[(shape, tokens fed per row)] of each runner step."""
     steps = []
     step = eng.runner.step
-    eng.runner.step = lambda shape, batch: steps.append((shape, batch["count"].tolist())) or step(shape, batch)
+    eng.runner.step = lambda shape, batch: steps.append((shape, batch.count.tolist())) or step(shape, batch)
     return steps
 
 

@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.config import K2Config
 from k2jax.ops.paged import PagedCache, batch_axes
+from k2jax.runtime.settings import DEFAULT_PAGE_SIZE
 
 KV_DTYPES = ("bfloat16", "float32", "float8")
-DEFAULT_PAGE_SIZE = 64
 TPU_LANE = 128  # on a TPU each token's values are padded to a multiple of this (k2jax.ops.paged)
 
 

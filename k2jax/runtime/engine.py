@@ -26,14 +26,15 @@ import jax
 import numpy as np
 
 from k2jax.runtime import sampling, speculate
-from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards, pool_tokens
-from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedShape
+from k2jax.runtime.cache import data_shards, pool_tokens
+from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedInput, RaggedShape, StepInput
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
 from k2jax.runtime.requests import Event, QueueFull, Request, SamplingParams
 from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
+from k2jax.runtime.settings import EngineConfig
 from k2jax.sharding import use_mesh
 
 SPEC_MARGIN = 1.1  # drafts are fed where their step's expected tokens per second beat a decode's by this
@@ -57,76 +58,64 @@ def default_kv_tokens(model, max_batch: int, max_len: int, kv_cache_dtype: str, 
 
 
 class Engine:
-    """`max_batch` slots (rows decoded together) over a pool of `kv_tokens` tokens of paged latent cache
-    (default: default_kv_tokens) in pages of `page_size` tokens; at most `max_len` tokens per request.
-    `detok` (a detok.TokenText) turns each request's tokens into text incrementally; `mesh` splits the slots
-    and the pool over the batch's mesh axes (params already placed on it); `prefix_cache`: reuse the full
-    pages of earlier prompts; `grammars`: a k2jax.serving.grammar.GrammarCompiler for structured output;
-    `batch_wait_s`: how long `run` lets a burst arriving at an idle engine gather (see _gather_burst).
-    `prefill_chunk`: most prompt tokens per step while requests decode (their stall); `idle_chunk`: most while
-    none does (default 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the steps, and
-    the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
-    prefill_chunk tokens (planned to STALL_FILL of it; see k2jax.runtime.scheduler), in powers of two down
-    to `min_chunk` tokens (or an eighth of prefill_chunk); False: chunks of prefill_chunk whatever they
-    cost. `ragged` (default: on one device, no mesh): each engine step is one ragged step (k2jax.ops.ragged)
-    over every decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes)
-    tokens, in a handful of programs whatever the cache lengths; the stall bound does not apply (a step's
-    chunk tokens are bounded instead). False: the rectangular steps (one per chunk, and one decode).
-    `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
-    `prompt_lookup` = (min, max) tokens): each step where no prompt chunk
-    runs, every decoding row feeds up to `num_speculative_tokens` drafted tokens after its last one, and the
-    step verifies them (k2jax.runtime.runner): a row outputs its drafts up to the first the model does not
-    sample, then the model's own token there. The output is what it would be without (greedy: the same
-    tokens; sampling: the same distribution). Rows with a grammar or penalties are not verified: a step
-    where one decodes runs without drafts. Once warm_up has timed the decode and verifying steps, a step
-    speculates only where it is expected to output tokens faster: each row's drafts are weighed by its own
-    acceptance so far (see _worth)."""
+    """The serving engine: requests in, events out, one step at a time over the paged cache, as `config` (an
+    EngineConfig) says: its slots, pool, chunks, step layout and speculative decoding. `detok` (a
+    detok.TokenText) turns each request's tokens into text incrementally; `mesh` splits the slots and the pool
+    over the batch's mesh axes (params already placed on it); `grammars`: a
+    k2jax.serving.grammar.GrammarCompiler for structured output; `metrics`, `sync` (k2jax.serving.multihost's
+    StepSync under jax.distributed). Keyword settings not given in `config` make or amend it:
+    Engine(model, params, max_batch=4) is Engine(model, params, EngineConfig(max_batch=4)).
 
-    def __init__(self, model, params, *, max_batch: int = 8, max_len: int = 4096, prefill_chunk: int = 512,
-                 detok: TokenText | None = None, kv_cache_dtype: str = "auto", kv_tokens: int | None = None,
-                 page_size: int = DEFAULT_PAGE_SIZE, prefix_cache: bool = True, mesh=None, max_queue: int = 256,
-                 metrics: Metrics | None = None, sync=None, batch_wait_s: float = 0.0, grammars=None,
-                 idle_chunk: int | None = None, stall_bound: bool = True, min_chunk: int = 64,
-                 ragged: bool | None = None, speculative: str | None = None, num_speculative_tokens: int = 0,
-                 prompt_lookup: tuple[int, int] = (2, 3)):
-        if (max_batch < 1 or max_len < 2 or prefill_chunk < 1 or page_size < 1
-                or (idle_chunk is not None and idle_chunk < 1)):
-            raise ValueError(f"max_batch ({max_batch}), prefill_chunk ({prefill_chunk}), idle_chunk ({idle_chunk}) "
-                             f"and page_size ({page_size}) must be >= 1 and max_len ({max_len}) >= 2")
+    Ragged steps (config.ragged; the default on one device): each engine step is one ragged step over every
+    decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes) tokens, in a
+    handful of programs whatever the cache lengths; the stall bound does not apply (a step's chunk tokens are
+    bounded instead). Otherwise the rectangular steps: one per chunk, and one decode.
+
+    Speculative decoding (config.speculative, ragged steps only): each step where no prompt chunk runs, every
+    decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
+    them (k2jax.runtime.runner): a row outputs its drafts up to the first the model does not sample, then the
+    model's own token there. The output is what it would be without (greedy: the same tokens; sampling: the
+    same distribution). Rows with a grammar or penalties are not verified: a step where one decodes runs
+    without drafts. Once warm_up has timed the decode and verifying steps, a step speculates only where it is
+    expected to output tokens faster: each row's drafts are weighed by its own acceptance so far (see
+    _worth)."""
+
+    def __init__(self, model, params, config: EngineConfig | None = None, *, detok: TokenText | None = None,
+                 mesh=None, metrics: Metrics | None = None, sync=None, grammars=None, **settings):
+        c = self.config = EngineConfig(**settings) if config is None else config.replace(**settings)
         self.model, self.params, self.mesh = model, params, mesh
-        self.max_len, self.max_queue, self.batch_wait_s = max_len, max_queue, batch_wait_s
-        self.prefill_chunk = min(prefill_chunk, max_len)
-        self.idle_chunk = min(max(4 * prefill_chunk if idle_chunk is None else idle_chunk, prefill_chunk), max_len)
+        self.max_len, self.max_queue, self.batch_wait_s = c.max_len, c.max_queue, c.batch_wait_s
+        self.prefill_chunk = min(c.prefill_chunk, c.max_len)
+        self.idle_chunk = min(max(4 * c.prefill_chunk if c.idle_chunk is None else c.idle_chunk, c.prefill_chunk),
+                              c.max_len)
         self.detok, self.grammars, self.sync = detok, grammars, sync
-        kv_dtype = "auto" if kv_cache_dtype in (None, "auto") else kv_cache_dtype
-        slots = round_up_slots(max_batch, mesh)  # every data-parallel shard holds as many slots as the others
+        kv_dtype = "auto" if c.kv_cache_dtype in (None, "auto") else c.kv_cache_dtype
+        slots = round_up_slots(c.max_batch, mesh)  # every data-parallel shard holds as many slots as the others
         shards = data_shards(mesh, slots)
         self.max_batch = slots
+        kv_tokens = c.kv_tokens
         if kv_tokens is None:
-            kv_tokens = default_kv_tokens(model, slots, max_len, kv_dtype if kv_dtype != "auto" else
+            kv_tokens = default_kv_tokens(model, slots, c.max_len, kv_dtype if kv_dtype != "auto" else
                                           str(params["embed_tokens"].dtype), mesh)
-        per_shard = -(-kv_tokens // (shards * page_size))  # pages per shard, its trash page apart
-        if per_shard * page_size < min(max_len, page_size):
+        per_shard = -(-kv_tokens // (shards * c.page_size))  # pages per shard, its trash page apart
+        if per_shard * c.page_size < min(c.max_len, c.page_size):
             raise ValueError(f"a KV pool of {kv_tokens} tokens cannot hold one page per shard")
-        self.pool = PagePool(shards * (1 + per_shard), shards, page_size, prefix_cache)
-        self.kv_tokens = shards * per_shard * page_size
-        self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=page_size,
+        self.pool = PagePool(shards * (1 + per_shard), shards, c.page_size, c.prefix_cache)
+        self.kv_tokens = shards * per_shard * c.page_size
+        self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=c.page_size,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
-        self.ragged = mesh is None if ragged is None else ragged
+        self.ragged = mesh is None if c.ragged is None else c.ragged
         if self.ragged and mesh is not None:
             raise ValueError("ragged steps run on one device; on a mesh the engine takes rectangular steps")
-        self.proposer = speculate.make(speculative, min_n=prompt_lookup[0], max_n=prompt_lookup[1])
-        self.spec_step_s: dict = {}  # {RaggedShape: seconds} of the decode and verifying steps (warm_up)
-        self.spec_tokens = num_speculative_tokens if speculative is not None else 0
-        if speculative is not None and not self.ragged:
+        if c.speculative is not None and not self.ragged:
             raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps "
                              "(one device)")
-        if speculative is not None and not 1 <= num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative decoding, got "
-                             f"{num_speculative_tokens}")
-        self.sched = Scheduler(slots, self.pool, max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
-                               stall_bound=stall_bound, min_chunk=min_chunk,
+        self.proposer = speculate.make(c.speculative, min_n=c.prompt_lookup[0], max_n=c.prompt_lookup[1])
+        self.spec_step_s: dict = {}  # {RaggedShape: seconds} of the decode and verifying steps (warm_up)
+        self.spec_tokens = c.num_speculative_tokens if c.speculative is not None else 0
+        self.sched = Scheduler(slots, self.pool, c.max_len, self.prefill_chunk, idle_chunk=self.idle_chunk,
+                               stall_bound=c.stall_bound, min_chunk=c.min_chunk,
                                ragged_block=DEFAULT_BLOCK if self.ragged else None,
                                speculative_tokens=self.spec_tokens)
         self.metrics = metrics or Metrics(slots)
@@ -261,7 +250,7 @@ class Engine:
             batch = neutral_batch(shape, self.model.cfg.vocab_size)
             # Tokens spread over the vocabulary, so the router spreads them over the experts as real text
             # does (one id repeated would send every token to the same few); count 0: nothing is written.
-            batch["tokens"][:] = rng.integers(0, self.model.cfg.vocab_size, batch["tokens"].shape)
+            batch.tokens[:] = rng.integers(0, self.model.cfg.vocab_size, batch.tokens.shape)
             best = float("inf")
             for i in range(repeats + 1):
                 t = time.perf_counter()
@@ -416,17 +405,17 @@ class Engine:
         for q in rows:
             q.draft, q.shadow = q.draft[:best_k], (q.draft if not best_k else [])
 
-    def _sampling(self, call: Call, batch: dict) -> None:
+    def _sampling(self, call: Call, batch: StepInput | RaggedInput) -> None:
         """Each sampling row's settings and grammar mask."""
         for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
             if seq is None:
                 continue
             r = seq.req
-            sampling.set_row(batch["samp"], i, **self._row_settings(r.params, seq.generated))
+            sampling.set_row(batch.samp, i, **self._row_settings(r.params, seq.generated))
             if samples and r.matcher is not None:
-                r.matcher.fill_bitmask(batch["bitmask"][i])
+                r.matcher.fill_bitmask(batch.bitmask[i])
 
-    def _targets(self, call: Call, batch: dict) -> list[tuple]:
+    def _targets(self, call: Call, batch: StepInput | RaggedInput) -> list[tuple]:
         """Set the targets of the rows that score their prompt (each fed prompt token's successor, for the
         positions not scored yet: a preempted request's are kept); -> [(row, request, first position, end,
         the row's first fed position)]."""
@@ -439,9 +428,9 @@ class Engine:
                 # (row, offset): a rectangular step's targets are [B, T]; a ragged one's are flat [T]
                 at = (i, 0) if isinstance(call, Call) else (None, call.starts[i])
                 if at[0] is None:
-                    batch["targets"][at[1] + lo - seq.cached:at[1] + hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                    batch.targets[at[1] + lo - seq.cached:at[1] + hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
                 else:
-                    batch["targets"][i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                    batch.targets[i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
                 scored.append((at, seq.req, lo, hi, seq.cached))
         return scored
 

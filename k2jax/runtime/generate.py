@@ -108,23 +108,24 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
         region = bucket_length(sum(blocks_for(int(n), G) for n in lens) * G)
         prefill = RaggedShape(0, region // G, G, B, W)
         batch = ragged_host_batch(prefill, cfg.vocab_size)
-        batch |= lay_out(prefill, {b: Feed(tuple(p), 0, tuple(table[b])) for b, p in enumerate(prompts)})
-        starts = batch["last"] - lens + 1
+        feeds = {b: Feed(tuple(p), 0, tuple(table[b])) for b, p in enumerate(prompts)}
+        batch = batch.replace(**lay_out(prefill, feeds))
+        starts = batch.last - lens + 1
         if prompt_logprobs is not None:  # each prompt token's successor
             for b, p in enumerate(prompts):
-                batch["targets"][starts[b]:starts[b] + len(p) - 1] = p[1:]
-        batch |= {"prompt_len": lens, "reset": np.ones(B, bool)}
+                batch.targets[starts[b]:starts[b] + len(p) - 1] = p[1:]
+        batch = batch.replace(prompt_len=lens, reset=np.ones(B, bool))
     else:
         prefill = StepShape(B, T, 0, W)
         batch = host_batch(prefill, cfg.vocab_size)
         for b, p in enumerate(prompts):
-            batch["tokens"][b, :len(p)] = p
+            batch.tokens[b, :len(p)] = p
             if prompt_logprobs is not None:  # each prompt token's successor
-                batch["targets"][b, :len(p) - 1] = p[1:]
-        batch |= {"slot": np.arange(B, dtype=np.int32), "count": lens, "table": table, "prompt_len": lens,
-                  "reset": np.ones(B, bool)}
+                batch.targets[b, :len(p) - 1] = p[1:]
+        batch = batch.replace(slot=np.arange(B, dtype=np.int32), count=lens, table=table, prompt_len=lens,
+                              reset=np.ones(B, bool))
     for b in range(B):
-        sampling.set_row(batch["samp"], b, temperature=temperature, top_k=top_k or 0,
+        sampling.set_row(batch.samp, b, temperature=temperature, top_k=top_k or 0,
                          top_p=1.0 if top_p is None else top_p, seed=(seed + b) % 2**32)
     stop = np.asarray(stop_tokens or (-1,), np.int32)
     if ragged:  # one token per row, its own row: the decode region
@@ -146,27 +147,25 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
         on_token(_host(out["tokens"]), np.ones(B, bool))
     steps, active = 0, np.ones(B, bool)
     if ragged:
-        decode = ragged_host_batch(shapes[1], cfg.vocab_size) | {"samp": batch["samp"], "prompt_len": lens}
-        decode |= {"table": table, "row": np.arange(B, dtype=np.int32), "valid": np.ones(B, bool),
-                   "last": np.arange(B, dtype=np.int32), "count": np.ones(B, np.int32)}
+        decode = ragged_host_batch(shapes[1], cfg.vocab_size).replace(
+            samp=batch.samp, prompt_len=lens, table=table, row=np.arange(B, dtype=np.int32),
+            valid=np.ones(B, bool), last=np.arange(B, dtype=np.int32), count=np.ones(B, np.int32))
     else:
-        decode = {k: v for k, v in batch.items() if k not in ("tokens", "table", "targets")} | {"table": table}
-        decode["targets"] = np.full((B, 1), -1, np.int32)
-        decode |= {"count": np.ones(B, np.int32), "reset": np.zeros(B, bool)}
+        decode = batch.replace(targets=np.full((B, 1), -1, np.int32), count=np.ones(B, np.int32),
+                               reset=np.zeros(B, bool))
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
             active = ~_host(done)
             if not active.any():
                 break
         held = int(lens.max()) + step - 1  # tokens each row holds before this step (the longest row)
-        decode["lengths"] = lens + step - 1
-        decode["samp"] = dict(decode["samp"], step=np.full(B, step, np.int32))
+        decode = decode.replace(lengths=lens + step - 1, samp=dict(decode.samp, step=np.full(B, step, np.int32)))
         if ragged:
             shape = shapes[1]
-            decode["pos"], decode["tokens"] = decode["lengths"], out["tokens"]
+            decode = decode.replace(pos=decode.lengths, tokens=out["tokens"])
         else:
             shape = StepShape(B, 1, next(w for w in _read_buckets(W) if w * page_size >= held), W)
-            decode["tokens"] = out["tokens"][:, None]
+            decode = decode.replace(tokens=out["tokens"][:, None])
         out = runner.step(shape, decode)
         token = jnp.where(done, PAD_ID, out["tokens"])
         tokens.append(token)

@@ -52,6 +52,61 @@ class RaggedShape:
         return self.decode + self.blocks * self.block
 
 
+class _Input:
+    """What StepInput and RaggedInput share: fields replaced by name (numpy arrays here, device arrays once
+    the runner has them), and `fields()` for the runner's pytree registration."""
+
+    def replace(self, **changes):
+        """A copy with `changes` (field -> new value); a name that is not a field raises TypeError."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclasses.dataclass
+class StepInput(_Input):
+    """A rectangular step's inputs (k2jax.runtime.runner.Runner.step), per row b of B: its slot (the row of
+    the per-slot sampling state), its next tokens [B, T] (a prefix of count[b] real ones), its page table
+    [B, W] and the tokens it holds (lengths), its prompt's length (tokens past it are the row's own output:
+    the penalties count them), whether its slot starts afresh (reset: a new request), the grammar's allowed
+    tokens (bitmask [B, V / 32] int32, -1 = all), its sampling settings (samp: k2jax.runtime.sampling's
+    rows), and the token each fed token predicts, to be scored (targets [B, T], -1 = none)."""
+
+    slot: np.ndarray
+    tokens: np.ndarray
+    count: np.ndarray
+    table: np.ndarray
+    lengths: np.ndarray
+    prompt_len: np.ndarray
+    reset: np.ndarray
+    bitmask: np.ndarray
+    samp: dict
+    targets: np.ndarray
+
+
+@dataclasses.dataclass
+class RaggedInput(_Input):
+    """A ragged step's inputs: per flat token of T (`lay_out`'s) tokens, row, pos, valid and targets; per row
+    b of B (= slot b) table [B, W], lengths, count, last (the flat index of its last fed token), prompt_len
+    and reset; bitmask and samp as StepInput's."""
+
+    tokens: np.ndarray
+    row: np.ndarray
+    pos: np.ndarray
+    valid: np.ndarray
+    targets: np.ndarray
+    table: np.ndarray
+    lengths: np.ndarray
+    count: np.ndarray
+    last: np.ndarray
+    prompt_len: np.ndarray
+    reset: np.ndarray
+    bitmask: np.ndarray
+    samp: dict
+
+
 @dataclasses.dataclass(frozen=True)
 class Feed:
     """One row's part of a step: the new tokens it feeds, how many tokens its pages already hold, its pages."""

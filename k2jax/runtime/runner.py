@@ -1,20 +1,20 @@
 """The one inference runtime's step: a batch of rows through the model over the paged cache, and each row's
 next token sampled. `k2jax.generate` and `k2jax serve` run the same step on the same cache.
 
-A step takes, per row b: its slot (the row of the per-slot sampling state), its next tokens (a prefix of
-count[b] real ones, right-padded to T), its page table and how many tokens it already holds (lengths[b]),
-how long its prompt is (tokens before that are prompt, the rest the row's own output: the penalties count
-them), whether its slot starts afresh (reset: a new request), and its sampling settings
-(k2jax.runtime.sampling). It returns the token sampled from the logits at each row's last real token,
+A step takes a k2jax.runtime.layout.StepInput, per row b: its slot (the row of the per-slot sampling state),
+its next tokens (a prefix of count[b] real ones, right-padded to T), its page table and how many tokens it
+already holds (lengths[b]), how long its prompt is (tokens before that are prompt, the rest the row's own
+output: the penalties count them), whether its slot starts afresh (reset: a new request), and its sampling
+settings (k2jax.runtime.sampling). It returns the token sampled from the logits at each row's last real token,
 its logprob and the top logprobs, and, for rows given targets (the next token of each fed prompt token), those
 tokens' logprobs under the model's own log-softmax (a prompt's logprobs: scoring, lm-eval's loglikelihood).
 What the step computes follows from its shapes: rows B, tokens per row T
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
 
-A ragged step (a k2jax.runtime.layout.RaggedShape, on one device) takes instead one flat batch of every row's
-new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens, the chunk blocks and
-the rows, and one program serves every cache length (ragged_host_batch lists its inputs). A verifying ragged
+A ragged step (a k2jax.runtime.layout.RaggedShape, on one device) takes instead a RaggedInput: one flat
+batch of every row's new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens,
+the chunk blocks and the rows, and one program serves every cache length. A verifying ragged
 step (speculative decoding: RaggedShape.verify) samples at every decode token, each verifying the draft fed
 after it in its row, and says how many tokens each row outputs (`_verify`).
 
@@ -45,36 +45,38 @@ from k2jax.nn.model import HIDDEN, K2Model, expert_views
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.ops.ragged import RaggedCache
-from k2jax.runtime.layout import RaggedShape, StepShape
+from k2jax.runtime.layout import RaggedInput, RaggedShape, StepInput, StepShape
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
 
-def host_batch(shape: StepShape, vocab_size: int) -> dict:
+def host_batch(shape: StepShape, vocab_size: int) -> StepInput:
     """A step's host inputs for `shape`, all neutral: no real tokens (nothing is written), greedy rows."""
     B = shape.rows
-    return {"slot": np.zeros(B, np.int32), "tokens": np.zeros((B, shape.tokens), np.int32),
-            "count": np.zeros(B, np.int32), "table": np.zeros((B, shape.table_pages), np.int32),
-            "lengths": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32), "reset": np.zeros(B, bool),
-            "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32), "samp": sampling.default_rows(B),
-            "targets": np.full((B, shape.tokens), -1, np.int32)}
+    return StepInput(slot=np.zeros(B, np.int32), tokens=np.zeros((B, shape.tokens), np.int32),
+                     count=np.zeros(B, np.int32), table=np.zeros((B, shape.table_pages), np.int32),
+                     lengths=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32), reset=np.zeros(B, bool),
+                     bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), samp=sampling.default_rows(B),
+                     targets=np.full((B, shape.tokens), -1, np.int32))
 
 
-def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> dict:
-    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows): per
-    flat token tokens, row, pos, valid, targets [T] (k2jax.runtime.layout.lay_out's), per row (= slot) table
-    [B, W], lengths, count, last, prompt_len [B], reset [B], bitmask and samp as host_batch's."""
+def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
+    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows)."""
     T, B = shape.tokens, shape.rows
-    return {"tokens": np.zeros(T, np.int32), "row": np.zeros(T, np.int32), "pos": np.zeros(T, np.int32),
-            "valid": np.zeros(T, bool), "targets": np.full(T, -1, np.int32),
-            "table": np.zeros((B, shape.table_pages), np.int32), "lengths": np.zeros(B, np.int32),
-            "count": np.zeros(B, np.int32), "last": np.zeros(B, np.int32), "prompt_len": np.zeros(B, np.int32),
-            "reset": np.zeros(B, bool), "bitmask": np.full((B, -(-vocab_size // 32)), -1, np.int32),
-            "samp": sampling.default_rows(B)}
+    return RaggedInput(tokens=np.zeros(T, np.int32), row=np.zeros(T, np.int32), pos=np.zeros(T, np.int32),
+                       valid=np.zeros(T, bool), targets=np.full(T, -1, np.int32),
+                       table=np.zeros((B, shape.table_pages), np.int32), lengths=np.zeros(B, np.int32),
+                       count=np.zeros(B, np.int32), last=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32),
+                       reset=np.zeros(B, bool), bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32),
+                       samp=sampling.default_rows(B))
 
 
-def neutral_batch(shape, vocab_size: int) -> dict:
+def neutral_batch(shape, vocab_size: int) -> StepInput | RaggedInput:
     """host_batch or ragged_host_batch, as the shape's kind says."""
     return (ragged_host_batch if isinstance(shape, RaggedShape) else host_batch)(shape, vocab_size)
+
+
+for _cls in (StepInput, RaggedInput):  # jit takes them as pytrees of their fields
+    jax.tree_util.register_dataclass(_cls, data_fields=list(_cls.fields()), meta_fields=[])
 
 
 class Runner:
@@ -119,46 +121,46 @@ class Runner:
 
     # --- the step function (traced once per shape) ----------------------------------------------------
     def _step(self, params, state, batch, read_pages: int):
-        B, T = batch["tokens"].shape
-        count_B = batch["count"]
-        cache = PagedCache(state["pages"], state["scales"], batch["table"], batch["lengths"],
+        B, T = batch.tokens.shape
+        count_B = batch.count
+        cache = PagedCache(state["pages"], state["scales"], batch.table, batch.lengths,
                            self.cfg.qk_rope_head_dim, self.shard_axes, read_pages, self.pad)
         valid_BT = jnp.arange(T)[None, :] < count_B[:, None]
-        (logits_BV, cache), sown = self.model.apply({"params": params}, batch["tokens"], None, valid_BT, cache,
+        (logits_BV, cache), sown = self.model.apply({"params": params}, batch.tokens, None, valid_BT, cache,
                                                     jnp.maximum(count_B - 1, 0), mutable=[HIDDEN])
-        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch["targets"])
-        counts_BV, seen_BV = self._rows(state, batch["slot"], batch["reset"])
-        pos_BT = batch["lengths"][:, None] + jnp.arange(T)[None, :]
-        in_prompt_BT = valid_BT & (pos_BT < batch["prompt_len"][:, None])
-        seen_BV = sampling.mark_prompt(seen_BV, batch["tokens"], in_prompt_BT)
-        counts_BV = _add_counts(counts_BV, batch["tokens"], valid_BT & ~in_prompt_BT)
-        out = sampling.sample_rows(logits_BV, batch["samp"], counts_BV, seen_BV, batch["bitmask"])
-        write_B = (count_B > 0) | batch["reset"]
-        counts, seen = self._write_rows(state, batch["slot"], write_B, counts_BV, seen_BV)
+        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch.targets)
+        counts_BV, seen_BV = self._rows(state, batch.slot, batch.reset)
+        pos_BT = batch.lengths[:, None] + jnp.arange(T)[None, :]
+        in_prompt_BT = valid_BT & (pos_BT < batch.prompt_len[:, None])
+        seen_BV = sampling.mark_prompt(seen_BV, batch.tokens, in_prompt_BT)
+        counts_BV = _add_counts(counts_BV, batch.tokens, valid_BT & ~in_prompt_BT)
+        out = sampling.sample_rows(logits_BV, batch.samp, counts_BV, seen_BV, batch.bitmask)
+        write_B = (count_B > 0) | batch.reset
+        counts, seen = self._write_rows(state, batch.slot, write_B, counts_BV, seen_BV)
         return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out | scores
 
     def _ragged(self, params, state, batch, shape: RaggedShape):
         """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
         prompt scores per flat token [T]."""
-        row_T, tok_T, valid_T = batch["row"], batch["tokens"], batch["valid"]
-        cache = RaggedCache(state["pages"], state["scales"], batch["table"], batch["lengths"], row_T,
-                            batch["pos"], valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad)
+        row_T, tok_T, valid_T = batch.row, batch.tokens, batch.valid
+        cache = RaggedCache(state["pages"], state["scales"], batch.table, batch.lengths, row_T,
+                            batch.pos, valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad)
         # A verifying step samples at every decode token (each verifies the draft after it), others at each
         # row's last fed token.
-        at = jnp.arange(shape.decode)[None] if shape.verify else batch["last"][None]
+        at = jnp.arange(shape.decode)[None] if shape.verify else batch.last[None]
         (logits_1BV, cache), sown = self.model.apply({"params": params}, tok_T[None], None, valid_T[None], cache,
                                                      at, mutable=[HIDDEN])
-        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch["targets"][None])
+        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch.targets[None])
         scores = {k: v[0] for k, v in scores.items()}
-        keep_B1 = ~batch["reset"][:, None]
+        keep_B1 = ~batch.reset[:, None]
         counts_BV, seen_BV = state["counts"] * keep_B1, state["seen"] & keep_B1
-        in_prompt_T = valid_T & (batch["pos"] < batch["prompt_len"][row_T])
+        in_prompt_T = valid_T & (batch.pos < batch.prompt_len[row_T])
         seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
         if shape.verify:
             out = _verify(logits_1BV[0], batch)
         else:
-            out = sampling.sample_rows(logits_1BV[0], batch["samp"], counts_BV, seen_BV, batch["bitmask"])
+            out = sampling.sample_rows(logits_1BV[0], batch.samp, counts_BV, seen_BV, batch.bitmask)
         return {"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV}, out | scores
 
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
@@ -211,7 +213,7 @@ class Runner:
         row = NamedSharding(self.mesh, PartitionSpec(axes or None))
         return jax.tree.map(lambda _: row, host_batch(shape, self.cfg.vocab_size))
 
-    def batch_shapes(self, shape: StepShape) -> dict:
+    def batch_shapes(self, shape: StepShape):
         """The step's inputs for `shape` (host_batch's tree) as jax.ShapeDtypeStructs, with the shardings the
         step takes them in on a mesh."""
         batch = neutral_batch(shape, self.cfg.vocab_size)
@@ -259,9 +261,9 @@ class Runner:
                     on_progress(i, len(todo), futures[f])
         return time.perf_counter() - t0
 
-    def step(self, shape: StepShape | RaggedShape, batch: dict) -> dict:
-        """Run one step of `shape` on host inputs (see host_batch; ragged_host_batch for a RaggedShape, whose
-        prompt scores are per flat token [T]) -> device outputs {"tokens" [B], "logprob"
+    def step(self, shape: StepShape | RaggedShape, batch: StepInput | RaggedInput) -> dict:
+        """Run one step of `shape` on host inputs (a StepInput, see host_batch; a RaggedInput for a RaggedShape,
+        whose prompt scores are per flat token [T]) -> device outputs {"tokens" [B], "logprob"
         [B], "top_ids", "top_logprobs" [B, sampling.MAX_TOP_LOGPROBS]} and the scores of the batch's
         `targets` [B, T] (the token each fed token predicts: a prompt's next one; -1 = none): "prompt_logprob"
         [B, T], "prompt_rank" [B, T], "prompt_top_ids", "prompt_top_logprobs" [B, T, MAX_TOP_LOGPROBS], from
@@ -284,9 +286,9 @@ def _verify(logits_DV, batch) -> dict:
     where a draft was not accepted, or after the last draft). The rows of a verifying step are never
     penalised and have no grammar mask (the engine keeps such rows out of it)."""
     D = logits_DV.shape[0]
-    row_D, pos_D, valid_D, tok_D = (batch[k][:D] for k in ("row", "pos", "valid", "tokens"))
-    lengths_B = batch["lengths"]
-    samp_D = {k: v[row_D] for k, v in batch["samp"].items()}
+    row_D, pos_D, valid_D, tok_D = (x[:D] for x in (batch.row, batch.pos, batch.valid, batch.tokens))
+    lengths_B = batch.lengths
+    samp_D = {k: v[row_D] for k, v in batch.samp.items()}
     samp_D["step"] = samp_D["step"] + pos_D - lengths_B[row_D]
     nxt = jnp.arange(1, D + 1).clip(max=D - 1)
     follows_D = (jnp.arange(D) < D - 1) & valid_D[nxt] & (row_D[nxt] == row_D)

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from k2jax.runtime.layout import Feed, RaggedShape, StepShape, blocks_for, lay_out, place
+from k2jax.runtime.layout import (Feed, RaggedInput, RaggedShape, StepInput, StepShape, blocks_for, lay_out,
+                                  place)
 from k2jax.runtime.pages import PagePool
 
 if TYPE_CHECKING:
@@ -370,8 +371,8 @@ class Scheduler:
         sizes = self.verify_sizes if verify else self.decode_sizes
         return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify)
 
-    def ragged_inputs(self, call: RaggedCall, batch: dict) -> None:
-        """Fill a ragged batch (k2jax.runtime.runner.ragged_host_batch) with the call's rows: the layout
+    def ragged_inputs(self, call: RaggedCall, batch: RaggedInput) -> None:
+        """Fill a ragged step's inputs (a neutral RaggedInput) with the call's rows: the layout
         (k2jax.runtime.layout.lay_out), prompt lengths and resets; sets call.starts."""
         feeds = {}
         for b, (s, n) in enumerate(call.rows):
@@ -379,12 +380,12 @@ class Scheduler:
                 d = call.drafts.get(b, ())
                 feeds[b] = Feed(tuple(s.tokens[s.cached:s.cached + n - len(d)]) + d, s.cached, tuple(s.pages))
         for k, v in lay_out(call.shape, feeds).items():
-            batch[k][...] = v
+            getattr(batch, k)[...] = v
         call.starts = {b: start for b, (_, start) in place(call.shape, feeds).items()}
         for b, (s, _) in enumerate(call.rows):
             if s is not None:
-                batch["prompt_len"][b] = s.prompt_len
-                batch["reset"][b] = s.new_slot
+                batch.prompt_len[b] = s.prompt_len
+                batch.reset[b] = s.new_slot
 
     def _decode_call(self, decoding: list[Seq]) -> Call:
         read = self._read_pages(max(s.cached for s in decoding))
@@ -468,22 +469,22 @@ class Scheduler:
             shard_of += [sh] * k
         return Call(StepShape(self.shards * k, T, read, self.table_pages(read, T)), laid, shard_of)
 
-    def inputs(self, call: Call, batch: dict) -> None:
-        """Fill a runner batch (k2jax.runtime.runner.host_batch) with the call's rows: tokens, counts,
+    def inputs(self, call: Call, batch: StepInput) -> None:
+        """Fill a rectangular step's inputs (a neutral StepInput) with the call's rows: tokens, counts,
         page tables, lengths, slots, prompt lengths. (Sampling settings and masks are the engine's.)"""
         W = call.shape.table_pages
         for i, ((seq, n), shard) in enumerate(zip(call.rows, call.shard_of_row)):
-            batch["table"][i] = self.pool.trash(shard)
+            batch.table[i] = self.pool.trash(shard)
             if seq is None:
-                batch["slot"][i] = shard * self.per_shard
+                batch.slot[i] = shard * self.per_shard
                 continue
-            batch["slot"][i] = seq.slot
-            batch["tokens"][i, :n] = seq.tokens[seq.cached:seq.cached + n]
-            batch["count"][i] = n
-            batch["table"][i, :min(W, len(seq.pages))] = seq.pages[:W]
-            batch["lengths"][i] = seq.cached
-            batch["prompt_len"][i] = seq.prompt_len
-            batch["reset"][i] = seq.new_slot  # its first step in this slot: the slot's state starts afresh
+            batch.slot[i] = seq.slot
+            batch.tokens[i, :n] = seq.tokens[seq.cached:seq.cached + n]
+            batch.count[i] = n
+            batch.table[i, :min(W, len(seq.pages))] = seq.pages[:W]
+            batch.lengths[i] = seq.cached
+            batch.prompt_len[i] = seq.prompt_len
+            batch.reset[i] = seq.new_slot  # its first step in this slot: the slot's state starts afresh
 
     def advance(self, call: Call | RaggedCall) -> None:
         """The call ran: each row's pages hold its fed tokens (drafts apart: see `verified`); index the full

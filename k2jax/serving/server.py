@@ -176,6 +176,20 @@ def load_model(args):
     return model, params, tok, name, mesh
 
 
+def engine_config(args):
+    """The engine's settings (k2jax.runtime.settings.EngineConfig) from serve's flags (--kv-memory apart: it
+    needs the model; see _run)."""
+    from k2jax.runtime.settings import EngineConfig
+
+    return EngineConfig(
+        max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, kv_tokens=args.kv_tokens,
+        page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
+        batch_wait_s=args.batch_wait_ms / 1e3, prefill_chunk=args.prefill_chunk, idle_chunk=args.idle_prefill_chunk,
+        stall_bound=not args.fixed_chunks, ragged=None if args.step_layout == "auto" else args.step_layout == "ragged",
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
+
+
 def use_compile_cache(directory: str | None) -> None:
     """Keep compiled programs on disk (jax's persistent compilation cache), so that a restart with the same
     settings loads them instead of compiling. Without a directory: jax's own JAX_COMPILATION_CACHE_DIR where
@@ -370,15 +384,8 @@ def _run(args, sock) -> int:
     if args.kv_memory is not None:
         kv_dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else jnp.dtype(model.param_dtype).name
         kv_tokens = pool_tokens(model.cfg, kv_dtype, args.kv_memory * 2**30, mesh, round_up_slots(args.max_batch, mesh))
-    engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_len, prefill_chunk=args.prefill_chunk,
-                    detok=TokenText(tok) if tok else None, kv_cache_dtype=args.kv_cache_dtype, kv_tokens=kv_tokens,
-                    page_size=args.page_size, prefix_cache=not args.no_prefix_cache, mesh=mesh,
-                    max_queue=args.max_queue, sync=sync, batch_wait_s=args.batch_wait_ms / 1e3,
-                    grammars=_grammars(tok, model.cfg, args.json_whitespace), idle_chunk=args.idle_prefill_chunk,
-                    stall_bound=not args.fixed_chunks,
-                    ragged=None if args.step_layout == "auto" else args.step_layout == "ragged",
-                    speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                    prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
+    engine = Engine(model, params, engine_config(args).replace(kv_tokens=kv_tokens), mesh=mesh, sync=sync,
+                    detok=TokenText(tok) if tok else None, grammars=_grammars(tok, model.cfg, args.json_whitespace))
     state = engine.runner.state
     log.info(f"KV cache {engine.kv_cache_dtype}: a pool of {engine.kv_tokens} tokens in pages of {args.page_size}, "
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
