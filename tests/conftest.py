@@ -21,6 +21,29 @@ def flat(tree) -> dict:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+# XLA:CPU workaround: a worker compiling the training step (k2jax.train, jit name "step") died in native code
+# in jax's persistent compilation cache, once writing its executable (executable.serialize) and once reading
+# it back (backend.deserialize_executable), each time in test_train_masks, on 2-core hosts, and never when the
+# file ran alone. Such programs are neither written to the cache nor, when tests/run.sh has removed what
+# earlier runs wrote ("jit_step-*"), read from it: they compile afresh each run (about a minute in all).
+TRAIN_FILES = ("test_train.py", "test_train_masks.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_persistent_cache_for_train_steps(request):
+    if pathlib.Path(str(request.fspath)).name not in TRAIN_FILES:
+        yield
+        return
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)  # jax writes no program quicker
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
 @pytest.fixture(scope="session")
 def repo():
     return REPO

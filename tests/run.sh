@@ -49,12 +49,14 @@ export K2JAX_REQUIRE_TPU_AOT=1  # the test extra brings libtpu: the TPU compile 
 # with only the programs of a second or more); instead the whole cache starts afresh past 4 GiB. (The TPU
 # checks gain nothing: a compile-only TPU client cannot load a cached executable back.)
 # One cache per host CPU (k2jax.runtime.compiles.host_cpu_key): XLA:CPU builds for the CPU it runs on and
-# jax's cache key does not say which, so a cache kept between runs on machines whose CPUs differ hands programs
-# to CPUs they were not built for (a test worker once died in native code loading a cached program). The files
-# of the earlier, shared cache (one folder for every CPU) go.
+# jax's cache key does not say which, so a cache kept between runs on machines whose CPUs differ would hand
+# programs to CPUs they were not built for. The files of the earlier, shared cache (one folder for every CPU)
+# go, and so do the training steps' programs (jit_step), which tests/conftest.py keeps out of the cache: XLA:CPU
+# crashed writing and reading them there.
 cpu_key=$("$main_env/bin/python" -c "from k2jax.runtime.compiles import host_cpu_key; print(host_cpu_key())")
 [[ -d $cache/xla ]] && find "$cache/xla" -maxdepth 1 -type f -delete
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$cache/xla/$cpu_key}"
+[[ -d $JAX_COMPILATION_CACHE_DIR ]] && find "$JAX_COMPILATION_CACHE_DIR" -maxdepth 1 -name 'jit_step-*' -delete
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}"
 # The TPU compiler's outputs for the full-model checks (k2jax.aot.compile): nine minutes of compiling otherwise.
 export K2JAX_AOT_CACHE="${K2JAX_AOT_CACHE:-$cache/aot}"
