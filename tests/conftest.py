@@ -21,11 +21,12 @@ def flat(tree) -> dict:
     return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-# XLA:CPU workaround: a worker compiling the training step (k2jax.train, jit name "step") died in native code
-# in jax's persistent compilation cache, once writing its executable (executable.serialize) and once reading
-# it back (backend.deserialize_executable), each time in test_train_masks, on 2-core hosts, and never when the
-# file ran alone. Such programs are neither written to the cache nor, when tests/run.sh has removed what
-# earlier runs wrote ("jit_step-*"), read from it: they compile afresh each run (about a minute in all).
+# XLA:CPU workaround: a test worker died in native code on the training step (k2jax.train, jit name "step") of
+# test_train_masks, after the worker's earlier files: once reading its executable from jax's persistent cache
+# (deserialize_executable), once writing it there (executable.serialize), once compiling it; never when the
+# file ran alone. tests/run.sh runs the training files in a process of their own, and their programs are
+# neither written to the cache nor, once tests/run.sh has removed what earlier runs wrote ("jit_step-*"),
+# read from it: they compile afresh each run (about a minute in all).
 TRAIN_FILES = ("test_train.py", "test_train_masks.py")
 
 

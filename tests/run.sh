@@ -71,10 +71,22 @@ done
 # conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process. A worker that dies (a
 # native crash) ends the run at once, naming its test: pytest-xdist's replacement of a crashed worker under
 # --dist loadfile can leave the run waiting forever.
+# XLA:CPU workaround: in three full runs a worker died in native code (a segfault) on the training step of
+# tests/test_train_masks.py's one-device case, compiling it or writing or reading its executable in jax's
+# cache, after the worker's earlier files; the file alone, in a fresh process, passed every time. With no
+# arguments the two training files run last, in a process of their own.
+train=(tests/test_train.py tests/test_train_masks.py)
+ignore=()
+(( $# == 0 )) && ignore=("${train[@]/#/--ignore=}")
 set +e
 "$main_env/bin/python" -m pytest -n "${K2JAX_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 \
-  --durations=25 "$@"
+  --durations=25 "${ignore[@]}" "$@"
 rc=$?
+if (( $# == 0 )); then
+  "$main_env/bin/python" -m pytest -q -p no:cacheprovider "${train[@]}"
+  trc=$?
+  [[ $rc == 0 ]] && rc=$trc
+fi
 set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected
   echo "pytest collected no tests"; exit 1
