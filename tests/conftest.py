@@ -24,9 +24,9 @@ def flat(tree) -> dict:
 # XLA:CPU workaround: a test worker died in native code on the training step (k2jax.train, jit name "step") of
 # test_train_masks, after the worker's earlier files: once reading its executable from jax's persistent cache
 # (deserialize_executable), once writing it there (executable.serialize), once compiling it; never when the
-# file ran alone. tests/run.sh runs the training files in a process of their own, and their programs are
-# neither written to the cache nor, once tests/run.sh has removed what earlier runs wrote ("jit_step-*"),
-# read from it: they compile afresh each run (about a minute in all).
+# file ran alone. tests/run.sh runs each file in a fresh process (tests/run_files.py), and the training steps'
+# programs are neither written to the cache nor, once tests/run.sh has removed what earlier runs wrote
+# ("jit_step-*"), read from it: they compile afresh each run (about a minute in all).
 TRAIN_FILES = ("test_train.py", "test_train_masks.py")
 
 

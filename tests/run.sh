@@ -67,26 +67,13 @@ for dir in "$JAX_COMPILATION_CACHE_DIR" "$K2JAX_AOT_CACHE"; do
   fi
 done
 
-# Two workers (pytest-xdist), whole files per worker so that a file's module-scoped fixtures (servers,
-# conversions, compiles) are made once; K2JAX_TEST_WORKERS=0 runs in this process. A worker that dies (a
-# native crash) ends the run at once, naming its test: pytest-xdist's replacement of a crashed worker under
-# --dist loadfile can leave the run waiting forever.
-# XLA:CPU workaround: in three full runs a worker died in native code (a segfault) on the training step of
-# tests/test_train_masks.py's one-device case, compiling it or writing or reading its executable in jax's
-# cache, after the worker's earlier files; the file alone, in a fresh process, passed every time. With no
-# arguments the two training files run last, in a process of their own.
-train=(tests/test_train.py tests/test_train_masks.py)
-ignore=()
-(( $# == 0 )) && ignore=("${train[@]/#/--ignore=}")
+# Each test file in a fresh pytest process, two at a time (K2JAX_TEST_WORKERS; 0 runs one plain pytest), longest
+# first by the times of the last run. XLA:CPU workaround: pytest-xdist's workers run file after file in one
+# process, and a worker died in native code on tests that passed alone every time (tests/run_files.py).
+export K2JAX_TEST_TIMES="${K2JAX_TEST_TIMES:-$cache/test-seconds.json}"
 set +e
-"$main_env/bin/python" -m pytest -n "${K2JAX_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 \
-  --durations=25 "${ignore[@]}" "$@"
+"$main_env/bin/python" tests/run_files.py "$@"
 rc=$?
-if (( $# == 0 )); then
-  "$main_env/bin/python" -m pytest -q -p no:cacheprovider "${train[@]}"
-  trc=$?
-  [[ $rc == 0 ]] && rc=$trc
-fi
 set -e
 if [[ $rc == 5 ]]; then  # pytest: no tests collected
   echo "pytest collected no tests"; exit 1
