@@ -115,6 +115,40 @@ def test_exchanges_equal_dense(spec, mode, capacity):
             np.testing.assert_allclose(got, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("spec, mode, capacity", [("expert=4,tensor=2", "gather", 1.25),
+                                                   ("data=2,expert=2,tensor=2", "all_to_all", 0.2)])
+def test_a_layer_read_out_of_the_stacks_equals_its_own_arrays(spec, mode, capacity):
+    """The gmm path given every layer's expert stacks and a traced layer index (as a TPU runs it, its
+    kernel reading the layer's tiles in place; the plain form on CPU): the forward reads the stacks (given
+    zeros as the layer's own arrays, it still equals that layer), and derivatives, for x, the router
+    weights and the layer's own arrays, equal the dense reference's."""
+    L, T, E, K, D, F = 3, 50, 16, 4, 24, 20
+    key = jax.random.PRNGKey(7)
+    stacks = tuple(jnp.stack(ws) for ws in zip(*(experts(jax.random.fold_in(key, 10 + i), E, D, F)
+                                                  for i in range(L))))
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 3), T, E, K, skew=6.0)
+    layer = 1
+    own = tuple(s[layer] for s in stacks)
+
+    def ep(x, wt, own, layer):
+        return moe_expert_parallel(x, idx, wt, *own, mode=mode, impl="gmm", tile=4, capacity_factor=capacity,
+                                   stacks=jax.lax.stop_gradient(stacks), layer=layer)
+
+    def loss(fn):
+        return lambda x, wt, w: jnp.sum(jnp.sin(fn(x, wt, w)))
+
+    with use_mesh(make_mesh(spec)):
+        zeros = tuple(jnp.zeros_like(w) for w in own)
+        got = jax.jit(ep)(x, wt, zeros, jnp.int32(layer))
+        np.testing.assert_allclose(got, moe_dense(x, idx, wt, *own), atol=1e-5, rtol=1e-5)
+        grads = jax.jit(jax.grad(loss(lambda x, wt, w: ep(x, wt, w, jnp.int32(layer))), argnums=(0, 1, 2)))(
+            x, wt, own)
+    want = jax.grad(loss(lambda x, wt, w: moe_dense(x, idx, wt, *w)), argnums=(0, 1, 2))(x, wt, own)
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_plan_per_device_bytes_match_the_placed_arrays(model_and_params):
     spec = "data=2,expert=2,tensor=2"
     mesh = make_mesh(spec)

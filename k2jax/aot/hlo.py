@@ -657,6 +657,14 @@ def _custom_flops(inst: Instruction) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _custom_bytes(inst: Instruction) -> int | None:
+    """A Pallas kernel's own estimate of the bytes it reads and writes, where its custom call carries one
+    (cost_estimate), else None. Its operands can be far larger than what it reads: its block specs' index
+    maps visit only some blocks (a layer's tiles of a stack of every layer, a row's pages of the pool)."""
+    m = re.search(r'\\?"bytes_accessed\\?"\s*:\s*\\?"?(\d+)', inst.text)
+    return int(m.group(1)) if m else None
+
+
 def traffic(module: Module, top: int = 10) -> Traffic:
     """Bytes moved and flops of one run of the module, per chip, each computation's ops counted as often as
     it runs (`executions`: a loop body times its trip count, a conditional's branches each as taken).
@@ -666,7 +674,8 @@ def traffic(module: Module, top: int = 10) -> Traffic:
     buffer updated in place (dynamic-update-slice) counts only the update written; views and bookkeeping
     (bitcast, tuple, get-tuple-element, parameters, constants) move nothing. Flops: every dot and ragged-dot,
     in fusions too, 2 x output x contracted elements (a ragged-dot as if every row met every group: it
-    computes one group per row, so this is exact), and a Pallas kernel's own estimate where it gives one."""
+    computes one group per row, so this is exact), and a Pallas kernel's own estimate where it gives one.
+    A Pallas kernel's bytes are its own estimate too, where it gives one (see _custom_bytes)."""
     runs, _ = executions(module)
     fused = fused_computations(module)
     total, flops, movers = 0, 0, []
@@ -682,6 +691,8 @@ def traffic(module: Module, top: int = 10) -> Traffic:
                 read, written = inst.nbytes, inst.nbytes
             elif inst.op == "slice-start" and len(inst.shapes) >= 2:  # async: (operand, slice, context)
                 read = written = inst.shapes[-2].nbytes
+            elif inst.op == "custom-call" and _custom_bytes(inst) is not None:
+                read, written = _custom_bytes(inst), 0
             elif inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
                 upd = comp.instructions.get(inst.operands[1])
                 read = written = upd.nbytes if upd else inst.nbytes

@@ -127,8 +127,10 @@ class MoE(nn.Module):
         (L arrays [E, D, F]), ...}), which K2Model passes whole to its scan over the layers, and this layer's
         index, a traced int. The XLA:CPU path ("tiled", one device) then computes this layer's experts
         straight out of them (k2jax.ops.moe.moe_grouped): the scan's per-layer slice of the params, which
-        XLA:CPU copies whole before a matmul reads it, is read only to differentiate. Without them (init),
-        and on the other paths, the experts are this module's own params."""
+        XLA:CPU copies whole before a matmul reads it, is read only to differentiate. So does the
+        expert-parallel "gmm" path (a TPU's): its kernel reads the layer's tiles out of the stacks, where
+        XLA:TPU would copy the slice whole before the kernel reads it. Without them (init), and on the other
+        paths, the experts are this module's own params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
@@ -143,7 +145,11 @@ class MoE(nn.Module):
         if impl == "dense":
             y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
         elif sharded:
-            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64)
+            # the stacks themselves (not a runtime's per-layer views): the gmm path reads the layer in place
+            whole = stacks is not None and not isinstance(stacks["gate_proj"], (tuple, list))
+            y_TD = moe_expert_parallel(x_TD, idx_TK, weight_TK, *w, impl=impl, tile=self.tile or 64,
+                                       stacks=(stacks["gate_proj"], stacks["up_proj"], stacks["down_proj"])
+                                       if whole else None, layer=layer)
         else:
             if stacks is not None:
                 stacks = (stacks["gate_proj"], stacks["up_proj"], stacks["down_proj"])

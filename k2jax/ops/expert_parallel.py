@@ -50,7 +50,7 @@ TOKEN_AXES = ("data", "fsdp", "expert")
 
 
 def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, mesh=None, mode="auto",
-                        impl="tiled", tile=64, capacity_factor=1.25):
+                        impl="tiled", tile=64, capacity_factor=1.25, stacks=None, layer=None):
     """Routed experts on `mesh` (default: the current one from jax.set_mesh), weights sharded (expert on
     'expert', F on 'tensor'). x [T, D], idx/weight [T, K] (router output, global expert ids) -> [T, D].
 
@@ -61,17 +61,74 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     The expert stacks may be QuantizedWeight: each device gets its experts' values and the scales of their
     blocks (k2jax.ops.quant.scale_partition); where a shard of F does not hold whole blocks (tiny dims), the
     scales come replicated and the device dequantizes its local shard once per call.
+
+    stacks, layer: optionally every MoE layer's expert stacks (gate, up, down: [L, E, D, F], [L, E, D, F],
+    [L, E, F, D], as the params hold them) and this layer's index (a traced int), gate/up/down being that
+    layer's own arrays. The "gmm" path then reads the layer's experts straight out of the stacks (XLA:TPU
+    copies a slice of a stack into a buffer of its own before a kernel reads it: in bf16 that is each
+    layer's local experts written and read again, every step). Derivatives, and the forward under
+    differentiation, are as without them, from gate/up/down. Ignored on other paths, and where a quantized
+    stack's shards hold parts of its blocks.
     """
     if mode not in EP_MODES:
         raise ValueError(f"expert-parallel mode must be one of {EP_MODES}, got {mode!r}")
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-    T, K = idx_TK.shape
-    # Where the weights live, by the params' own rule (k2jax.sharding): experts the expert axis does not
-    # divide (6 on expert=4) are replicated, and then every device runs all experts for its own tokens (no
-    # exchange); an expert hidden dim that `tensor` does not divide is whole on every tensor rank (no psum).
-    e_spec = logical_to_spec(("experts", None, "expert_mlp"), gate_EDF.shape, dict(mesh.shape))
+    kw = dict(mesh=mesh, mode=mode, impl=impl, tile=tile, capacity_factor=capacity_factor)
+    layer_w = (gate_EDF, up_EDF, down_EFD)
+    if stacks is not None and impl == "gmm" and _in_place(tuple(stacks), layer_w, mesh):
+        return _from_stacks(kw, x_TD, idx_TK, weight_TK, layer_w, tuple(stacks), layer)
+    return _expert_parallel(x_TD, idx_TK, weight_TK, *layer_w, **kw)
+
+
+def _in_place(stacks, layer_w, mesh) -> bool:
+    """Whether the stacks can stand in for the layer's arrays: one more (layer) dim each, and no quantized
+    shard holding part of a block (that one is dequantized per shard: see _local_weight)."""
+    e_ax, f_ax = _weight_axes(layer_w[0].shape, mesh)
+    specs = (P(None, e_ax, None, f_ax), P(None, e_ax, None, f_ax), P(None, e_ax, f_ax, None))
+    return all(len(s.shape) == len(w.shape) + 1 and not (is_quantized(s) and _split_blocks(s, _weight_spec(s, sp, mesh)))
+               for s, w, sp in zip(stacks, layer_w, specs))
+
+
+def _from_stacks(kw, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+    """moe_expert_parallel of layer `layer` read out of the stacks; differentiated (the forward included) as
+    moe_expert_parallel of layer_w, that layer's own arrays."""
+
+    @jax.custom_vjp
+    def run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+        return _expert_parallel(x_TD, idx_TK, weight_TK, *stacks, layer=layer, **kw)
+
+    def fwd(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+        frozen = is_quantized(layer_w[0])  # quantized experts are frozen: no derivative for them
+
+        def fn(x_TD, weight_TK, *w):
+            return _expert_parallel(x_TD, idx_TK, weight_TK, *(layer_w if frozen else w), **kw)
+
+        return jax.vjp(fn, x_TD, weight_TK, *(() if frozen else layer_w))
+
+    def bwd(vjp, dy_TD):
+        dx_TD, dweight_TK, *dw = vjp(dy_TD)
+        return dx_TD, None, dweight_TK, tuple(dw) if dw else None, None, None
+
+    run.defvjp(fwd, bwd)
+    return run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer)
+
+
+def _weight_axes(shape, mesh):
+    """(expert axis, tensor axis) the expert weights of logical `shape` ([.., E, D, F]) are split over, by the
+    params' own rule (k2jax.sharding): experts the expert axis does not divide (6 on expert=4) are
+    replicated, and then every device runs all experts for its own tokens (no exchange); an expert hidden
+    dim that `tensor` does not divide is whole on every tensor rank (no psum)."""
+    e_spec = logical_to_spec(("experts", None, "expert_mlp"), tuple(shape[-3:]), dict(mesh.shape))
     e_ax = "expert" if e_spec[0] == "expert" and "expert" in mesh.shape else None
     f_ax = "tensor" if e_spec[2] == "tensor" and "tensor" in mesh.shape else None
+    return e_ax, f_ax
+
+
+def _expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, mesh, mode, impl, tile,
+                     capacity_factor, layer=None):
+    """moe_expert_parallel's exchange; with `layer`, gate/up/down are every layer's stacks."""
+    T, K = idx_TK.shape
+    e_ax, f_ax = _weight_axes(gate_EDF.shape, mesh)
     n = mesh.shape["expert"] if e_ax else 1
     tok_axes = tuple(a for a in TOKEN_AXES if a in mesh.shape)
     groups = math.prod(mesh.shape[a] for a in tok_axes)
@@ -88,10 +145,14 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
     t_ax = tok_axes if tok_axes else None
 
-    w_specs = tuple(_weight_spec(w, spec, mesh) for w, spec in
-                    ((gate_EDF, P(e_ax, None, f_ax)), (up_EDF, P(e_ax, None, f_ax)), (down_EFD, P(e_ax, f_ax, None))))
+    lead = () if layer is None else (None,)  # the stacks' layer dim: whole on every device
+    w_specs = tuple(_weight_spec(w, P(*lead, *spec), mesh) for w, spec in
+                    ((gate_EDF, (e_ax, None, f_ax)), (up_EDF, (e_ax, None, f_ax)), (down_EFD, (e_ax, f_ax, None))))
 
-    def local(x_tD, idx_tK, w_tK, gate_eDf, up_eDf, down_efD):
+    def local(x_tD, idx_tK, w_tK, layer, gate_eDf, up_eDf, down_efD):
+        if layer is not None:  # the stacks, read in place by the kernel: not dequantized, not made to vary
+            x_tD, w_tK = _vary_all(x_tD, w_tK)
+            return _exchange(x_tD, idx_tK, w_tK, (gate_eDf, up_eDf, down_efD), layer)
         gate_eDf, up_eDf, down_efD = (_local_weight(w, spec, mesh, x_tD.dtype) for w, spec in
                                       zip((gate_eDf, up_eDf, down_efD), w_specs))
         # Under grad, an input replicated over a mesh axis (the experts over data, the tokens over tensor) has
@@ -101,41 +162,43 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
         # completes (some devices of its group stop looping earlier). Adding 0.0 changes no value, and XLA
         # folds the add away. (The all-to-all rounds' cond is safe: its predicate is pmax'd over all groups.)
         x_tD, w_tK, gate_eDf, up_eDf, down_efD = _vary_all(x_tD, w_tK, gate_eDf, up_eDf, down_efD)
-        ex = (gate_eDf, up_eDf, down_efD)
+        return _exchange(x_tD, idx_tK, w_tK, (gate_eDf, up_eDf, down_efD), None)
+
+    def _exchange(x_tD, idx_tK, w_tK, ex, layer):
         if mode == "gather":
-            y_tD = _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile)
+            y_tD = _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile, layer)
         else:
-            y_tD = _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile)
+            y_tD = _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile, layer)
         if f_ax:
             y_tD = jax.lax.psum(y_tD, f_ax)
         return y_tD.astype(x_tD.dtype)
 
     fn = jax.shard_map(local, mesh=mesh,
-                       in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None)) + w_specs,
+                       in_specs=(P(t_ax, None), P(t_ax, None), P(t_ax, None), P()) + w_specs,
                        out_specs=P(t_ax, None))
-    y_TD = fn(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD)[:T]
+    y_TD = fn(x_TD, idx_TK, weight_TK, layer, gate_EDF, up_EDF, down_EFD)[:T]
     # The real tokens, split as far as T divides (k2jax.sharding's fallback). Left to the compiler, the slice's
     # sharding can be one jax 0.7-0.8 cannot name on the mesh (a ValueError when the jit's output is recovered).
     t_out = dividing_axes(tok_axes, T, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(y_TD, NamedSharding(mesh, P(t_out or None, None)))
 
 
-def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile):
-    e = ex[0].shape[0]
+def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile, layer=None):
+    e = ex[0].shape[-3]
     if e_ax is None:
-        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile)
+        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile, layer=layer)
     me = jax.lax.axis_index(e_ax)
     x_gD, idx_gK, w_gK = (jax.lax.all_gather(a, e_ax, tiled=True) for a in (x_tD, idx_tK, w_tK))
     lid_gK = jnp.where(idx_gK // e == me, idx_gK - me * e, e)  # e = not on this device
-    y_gD = local_experts(x_gD, lid_gK, w_gK, *ex, impl=impl, tile=tile)
+    y_gD = local_experts(x_gD, lid_gK, w_gK, *ex, impl=impl, tile=tile, layer=layer)
     return jax.lax.psum_scatter(y_gD, e_ax, scatter_dimension=0, tiled=True)
 
 
-def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile):
+def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile, layer=None):
     t, D = x_tD.shape
-    e = ex[0].shape[0]
+    e = ex[0].shape[-3]
     if e_ax is None:
-        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile)
+        return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile, layer=layer)
     dest_tK = idx_tK // e
     lid_tNK = jnp.where(dest_tK[:, None, :] == jnp.arange(n)[None, :, None],
                         idx_tK[:, None, :] - jnp.arange(n)[None, :, None] * e, e)
@@ -156,7 +219,7 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
         send = (x_pD[sel_NC], lid_pNK[sel_NC, jnp.arange(n)[:, None]], w_pK[sel_NC])
         x_NCD, lid_NCK, w_NCK = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in send)
         y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NCK.reshape(n * c, -1), w_NCK.reshape(n * c, -1),
-                             *ex, impl=impl, tile=tile)
+                             *ex, impl=impl, tile=tile, layer=layer)
         # Back in the activation dtype (half the bytes in bf16); the sum over source devices is float32.
         y_NCD = jax.lax.all_to_all(y_RD.astype(x_tD.dtype).reshape(n, c, D), e_ax, 0, 0, tiled=True)
         return acc_tD.at[sel_NC].add(y_NCD.astype(jnp.float32), mode="drop")
@@ -168,15 +231,18 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
     return acc_tD
 
 
-def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64):
+def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64, layer=None):
     """Σ_k w_k · Expert_{lid_k}(x) over this device's experts, float32 [R, D]; slots with lid == e (the
-    number of local experts) belong elsewhere and add nothing."""
+    number of local experts) belong elsewhere and add nothing. layer: on the "gmm" path, the weights are
+    every layer's stacks [L, e, ...] and this layer's experts are read out of them."""
+    if layer is not None and not impl.startswith("gmm"):
+        raise ValueError(f"local_experts reads a layer out of stacks on the gmm path only, not {impl!r}")
     if not impl.startswith(("ragged", "gmm")):
         # How many rows each device gets is not known statically, so no batched capacity: tiles only.
         return grouped_moe(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, capacity=0, tile=tile,
                            out_dtype=jnp.float32)
     R, K = lid_RK.shape
-    e = gate_eDF.shape[0]
+    e = gate_eDF.shape[-3]
     # "gmm:tpu": quantized experts read in place by the kernel, so no dequantized chunks. "gmm:plain" (a mesh
     # of other chips): the plain form, as grouped_matmul's platform; Pallas' interpreter cannot run inside
     # shard_map (jax 0.12), so CPU meshes take it too, and the kernel's numerics are tested outside.
@@ -190,7 +256,7 @@ def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled
     e_sorted_M = flat[order_M]
     sizes_e = jnp.bincount(flat, length=e + 1)[:e]
     y_MD = _ragged_swiglu(x_RD[order_M // K], sizes_e, gate_eDF, up_eDF, down_eFD, kernel,
-                          "tpu" if impl == "gmm:tpu" else "plain")  # rows past Σ sizes: 0
+                          "tpu" if impl == "gmm:tpu" else "plain", layer=layer)  # rows past Σ sizes: 0
     w_M = jnp.where(e_sorted_M < e, w_RK.reshape(-1)[order_M], 0.0)
     return jnp.zeros((R, x_RD.shape[1]), jnp.float32).at[order_M // K].add(y_MD.astype(jnp.float32) * w_M[:, None])
 

@@ -1,4 +1,4 @@
-"""Grouped matmul over quantized expert stacks, dequantized in VMEM: a Pallas TPU kernel.
+"""Grouped matmul over expert stacks, quantized ones dequantized in VMEM: a Pallas TPU kernel.
 
 Letters: M rows (each row belongs to one group: an expert's assignments, sorted by expert), E groups
 (experts), I the contraction (input) dim, O the output dim.
@@ -22,6 +22,10 @@ and feeds the MXU: HBM sees the packed bytes once.
   taken and put back with exact one-hot matmuls (Mosaic has no lane-strided access).
 - FP8 (e4m3 values, float32 scales per 128 x 128 block): an expert's scales come whole (tiny), a one-hot
   matmul spreads the tile's over its columns, and a tile dequantizes per 128 inputs.
+
+- A layer of a stack: given every layer's stack [L, E, I, O] and a layer index, the index maps take the
+  layer, so the kernel reads its tiles in place (a slice of the stack would be copied whole first: XLA:TPU
+  passes no slice into a custom call). Plain (bf16) stacks go through the kernel this way too.
 
 `gmm_reference` is the plain form (dequantize the whole stack, `ragged_dot`), which the kernel is tested
 equal to, in interpret mode on CPU, and which stays XLA's path on other backends.
@@ -58,11 +62,14 @@ class Tiles:
 TILES = {"v5p": Tiles(), "v6e": Tiles(), "v5e": Tiles(ti=512, tn=1024, vmem=32 << 20), "v7x": Tiles()}
 
 
-def gmm_reference(x_MI, w: QuantizedWeight, sizes_E, out_dtype=None):
+def gmm_reference(x_MI, w, sizes_E, out_dtype=None, layer=None):
     """The plain form: the whole stack dequantized to x's dtype, then `jax.lax.ragged_dot` with float32
-    accumulation. x [M, I], w [E, I, O], sizes [E] -> [M, O] in out_dtype (default x's); rows past
+    accumulation. x [M, I], w [E, I, O] (a QuantizedWeight or plain; with `layer`, every layer's stack
+    [L, E, I, O], that layer's taken first), sizes [E] -> [M, O] in out_dtype (default x's); rows past
     Σ sizes give 0."""
-    wd = dequantize_weight(w, x_MI.dtype)
+    if layer is not None:
+        w = jax.tree.map(lambda a: a[layer], w)
+    wd = dequantize_weight(w, x_MI.dtype) if isinstance(w, QuantizedWeight) else w.astype(x_MI.dtype)
     y = jax.lax.ragged_dot(x_MI, wd, sizes_E.astype(jnp.int32), preferred_element_type=jnp.float32)
     return y.astype(x_MI.dtype if out_dtype is None else out_dtype)
 
@@ -130,8 +137,10 @@ def _exact(a, b):
 _LANES = 256  # output columns per one-hot pick / put: keeps its matrices small ([256, 128] float32)
 
 
-def _kernel(group_ref, tile_ref, x_tile_ref, count_ref, starts_ref, ends_ref, x_ref, v_ref, s_ref, out_ref,
-            *acc, fmt: str, t: Tiles, n_in: int):
+def _kernel(group_ref, tile_ref, x_tile_ref, count_ref, starts_ref, ends_ref, layer_ref, x_ref, v_ref, *refs,
+            fmt: str, t: Tiles, n_in: int):
+    del layer_ref  # read by the index maps only
+    s_ref, out_ref, *acc = (None,) + refs if fmt == "plain" else refs
     n, vis, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     live = vis < count_ref[0]  # a real visit; tail visits (up to count_ref[1]) only write zeros
     f32 = jnp.float32
@@ -145,6 +154,9 @@ def _kernel(group_ref, tile_ref, x_tile_ref, count_ref, starts_ref, ends_ref, x_
     @pl.when(live)
     def _():
         cdt = x_ref.dtype
+        if fmt == "plain":
+            acc[0][...] += jnp.dot(x_ref[...], v_ref[...].astype(cdt), preferred_element_type=f32)
+            return
         half = t.tn // 2
         block = 32 if fmt == "int4" else 128
         g = t.sub // block  # scale rows per sub-tile
@@ -202,97 +214,129 @@ def _varying_struct(shape, dtype, *like):
     return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
 
 
-def gmm(x_MI, w: QuantizedWeight, sizes_E, *, tiles: Tiles | None = None, out_dtype=None, interpret=False):
-    """x [M, I] (rows sorted by group), w QuantizedWeight [E, I, O] ("int4" or "fp8", in_ndim 1), sizes [E]
-    (Σ ≤ M) -> [M, O] in out_dtype (default x's); rows past Σ sizes give 0. Equals gmm_reference.
+def gmm(x_MI, w, sizes_E, *, layer=None, tiles: Tiles | None = None, out_dtype=None, interpret=False):
+    """x [M, I] (rows sorted by group), w [E, I, O]: a QuantizedWeight ("int4" or "fp8", in_ndim 1) or a plain
+    array, sizes [E] (Σ ≤ M) -> [M, O] in out_dtype (default x's); rows past Σ sizes give 0. Equals
+    gmm_reference.
+
+    layer: None, or a traced int with w every layer's stack [L, E, I, O] (as the params hold them): the
+    kernel then reads that layer's tiles straight out of the stack. XLA:TPU copies a slice of the stack into
+    a buffer of its own before a kernel or `ragged_dot` reads it (a layer's local experts written and read
+    again every step); the index maps take the layer instead, so HBM sees only the tiles used.
 
     tiles: default TILES["v5p"]; fitted to the shapes (fit_tiles). interpret: run the kernel in Pallas'
     interpreter (CPU tests)."""
-    if w.fmt not in ("int4", "fp8") or w.lead_ndim != 1 or w.in_ndim != 1:
-        raise ValueError(f"gmm takes an [E, I, O] int4 or fp8 QuantizedWeight, got {w.fmt} with lead "
-                         f"{w.lead_ndim}, in {w.in_ndim} dims")
+    quantized = isinstance(w, QuantizedWeight)
+    lead = 1 if layer is None else 2
+    fmt = w.fmt if quantized else "plain"
+    if (quantized and (fmt not in ("int4", "fp8") or w.lead_ndim != lead or w.in_ndim != 1)) or \
+            (not quantized and w.ndim != lead + 2):
+        want = "[E, I, O]" if layer is None else "[L, E, I, O] (with a layer)"
+        got = f"{fmt} with lead {w.lead_ndim}, in {w.in_ndim} dims" if quantized else f"shape {w.shape}"
+        raise ValueError(f"gmm takes a {want} plain, int4 or fp8 weight, got {got}")
     M, I = x_MI.shape
-    E, I_w, O = w.shape
+    E, I_w, O = w.shape[-3:]
     if I_w != I:
         raise ValueError(f"gmm: x has {I} inputs, the weight {I_w}")
     out_dtype = x_MI.dtype if out_dtype is None else out_dtype
-    t = fit_tiles(tiles or TILES["v5p"], M, I, O, w.fmt)
+    t = fit_tiles(tiles or TILES["v5p"], M, I, O, fmt)
     Mp, Ip, Op = -(-M // t.tm) * t.tm, -(-I // t.ti) * t.ti, -(-O // t.tn) * t.tn
+    if layer is not None and (Ip, Op) != (I, O):  # odd shapes (tests): padding would copy the whole stack
+        w, layer = jax.tree.map(lambda a: a[layer], w), None
+    at = jnp.zeros((1,), jnp.int32) if layer is None else jnp.reshape(layer, (1,)).astype(jnp.int32)
+    lead_pad = ((0, 0),) * (1 if layer is None else 2)
     x = jnp.pad(x_MI, ((0, Mp - M), (0, Ip - I)))
     sizes = sizes_E.astype(jnp.int32)
-    values, scales = w.values, w.scales
-    if w.fmt == "int4":
-        values = jnp.pad(values, ((0, 0), (0, Ip - I), (0, (Op - O) // 2)), constant_values=0x88)
-        scales = jnp.pad(scales, ((0, 0), (0, (Ip - I) // 32), (0, Op - O)))
-        s_block = (None, Ip // 32, t.tn)  # a column block's scales whole: read once per group and column block
-        v_block = (None, t.ti, t.tn // 2)
+    values, scales = (w.values, w.scales) if quantized else (w, None)
+    acc = [pltpu.VMEM((t.tm, t.tn), jnp.float32)]
+    v_block = (t.ti, t.tn)
+    if fmt == "int4":
+        values = jnp.pad(values, lead_pad + ((0, Ip - I), (0, (Op - O) // 2)), constant_values=0x88)
+        scales = jnp.pad(scales, lead_pad + ((0, (Ip - I) // 32), (0, Op - O)))
+        s_block = (Ip // 32, t.tn)  # a column block's scales whole: read once per group and column block
+        v_block = (t.ti, t.tn // 2)
         acc = [pltpu.VMEM((t.tm, t.tn // 2), jnp.float32)] * 2
-    else:
-        values = jnp.pad(values, ((0, 0), (0, Ip - I), (0, Op - O)))
+    elif fmt == "fp8":
+        values = jnp.pad(values, lead_pad + ((0, Ip - I), (0, Op - O)))
+        if layer is not None:  # the layer's scales (a few KiB) taken first: padding the stack's would copy it
+            scales = scales[at[0]]
         # columns padded to whole 128 lanes (a few KiB): the spreading matmul then contracts over whole lanes
         lanes = -(-(Op // 128) // 128) * 128
-        scales = jnp.pad(scales, ((0, 0), (0, Ip // 128 - scales.shape[1]), (0, lanes - scales.shape[2])))
-        s_block = (None, Ip // 128, lanes)  # an expert's scales whole (tiny): read once per group
-        v_block = (None, t.ti, t.tn)
-        acc = [pltpu.VMEM((t.tm, t.tn), jnp.float32)]
+        scales = jnp.pad(scales, ((0, 0), (0, Ip // 128 - scales.shape[-2]), (0, lanes - scales.shape[-1])))
+        s_block = (Ip // 128, lanes)  # an expert's scales whole (tiny): read once per group
+    else:
+        values = jnp.pad(values, lead_pad + ((0, Ip - I), (0, Op - O)))
     group, tile, x_tile, counts = visits(sizes, Mp, t.tm)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     n_out, n_in, n_vis = Op // t.tn, Ip // t.ti, group.shape[0]
+    lead_block = (None,) * (1 if layer is None else 2)
 
     def k_at(v, k, counts):  # tail and spare visits stay on the last real visit's blocks: no DMA
         return jnp.where(v < counts[0], k, n_in - 1)
 
-    def x_map(n, v, k, group, tile, x_tile, counts, starts, ends):
+    def expert(v, group, at):  # the block's leading indices: (expert,) or (layer, expert)
+        return (group[v],) if layer is None else (at[0], group[v])
+
+    def x_map(n, v, k, group, tile, x_tile, counts, starts, ends, at):
         return x_tile[v], k_at(v, k, counts)
 
-    def w_map(n, v, k, group, tile, x_tile, counts, starts, ends):
-        return group[v], k_at(v, k, counts), n
+    def w_map(n, v, k, group, tile, x_tile, counts, starts, ends, at):
+        return expert(v, group, at) + (k_at(v, k, counts), n)
 
-    def s_map(n, v, k, group, tile, x_tile, counts, starts, ends):
-        return group[v], 0, n if w.fmt == "int4" else 0
+    s_lead = lead_block if fmt == "int4" else (None,)  # fp8: the layer's own scales (above)
 
-    def o_map(n, v, k, group, tile, x_tile, counts, starts, ends):
+    def s_map(n, v, k, group, tile, x_tile, counts, starts, ends, at):
+        if fmt == "fp8":
+            return group[v], 0, 0
+        return expert(v, group, at) + (0, n)
+
+    def o_map(n, v, k, group, tile, x_tile, counts, starts, ends, at):
         return tile[v], n
 
+    in_specs = [pl.BlockSpec((t.tm, t.ti), x_map), pl.BlockSpec(lead_block + v_block, w_map)]
+    operands = [x, values]
+    if quantized:
+        in_specs.append(pl.BlockSpec(s_lead + s_block, s_map))
+        operands.append(scales)
     spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6, grid=(n_out, n_vis, n_in),
-        in_specs=[pl.BlockSpec((t.tm, t.ti), x_map), pl.BlockSpec(v_block, w_map),
-                  pl.BlockSpec(s_block, s_map)],
+        num_scalar_prefetch=7, grid=(n_out, n_vis, n_in), in_specs=in_specs,
         out_specs=pl.BlockSpec((t.tm, t.tn), o_map), scratch_shapes=acc)
     x_bytes = jnp.dtype(x.dtype).itemsize
+    # the weights read: one layer's (a stack's other layers are never touched)
+    w_bytes = sum(a.size * a.dtype.itemsize // (a.shape[0] if a.ndim == 4 else 1) for a in operands[1:])
     cost = pl.CostEstimate(
         flops=2 * Mp * Ip * Op, transcendentals=0,
-        bytes_accessed=int(values.size * values.dtype.itemsize + scales.size * scales.dtype.itemsize
-                           + n_out * Mp * Ip * x_bytes + Mp * Op * jnp.dtype(out_dtype).itemsize))
+        bytes_accessed=int(w_bytes + n_out * Mp * Ip * x_bytes + Mp * Op * jnp.dtype(out_dtype).itemsize))
     y = pl.pallas_call(
-        functools.partial(_kernel, fmt=w.fmt, t=t, n_in=n_in),
+        functools.partial(_kernel, fmt=fmt, t=t, n_in=n_in),
         out_shape=_varying_struct((Mp, Op), out_dtype, x, values, group), grid_spec=spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary"),
                                              vmem_limit_bytes=t.vmem),
         cost_estimate=cost, interpret=interpret,
-    )(group, tile, x_tile, counts, starts, ends, x, values, scales)
+    )(group, tile, x_tile, counts, starts, ends, at, *operands)
     return y if (Mp, Op) == (M, O) else y[:M, :O]
 
 
-def grouped_matmul(x_MI, w, sizes_E, out_dtype=None, platform: str | None = None):
+def grouped_matmul(x_MI, w, sizes_E, out_dtype=None, platform: str | None = None, layer=None):
     """x [M, I] @ w[group] for rows sorted by group (sizes [E]) -> [M, O] in out_dtype (default x's), as
-    the MoE's "gmm" path runs it. A QuantizedWeight (fp8 / int4) goes to the Pallas kernel where the program
-    runs on a TPU: compiled by Mosaic there, Pallas' interpreter on CPU (tests), the plain form elsewhere
-    (GPUs). platform: the one the program is lowered for when the caller knows it (the expert-parallel path,
-    from its mesh's devices: "tpu" compiles the kernel, anything else takes the plain form); None: chosen at
-    lowering (lax.platform_dependent). A plain weight is `ragged_dot` everywhere."""
+    the MoE's "gmm" path runs it. A QuantizedWeight (fp8 / int4), or any weight given as every layer's stack
+    with a `layer` index (w [L, E, I, O]), goes to the Pallas kernel where the program runs on a TPU: compiled
+    by Mosaic there, Pallas' interpreter on CPU (tests), the plain form elsewhere (GPUs). platform: the one
+    the program is lowered for when the caller knows it (the expert-parallel path, from its mesh's devices:
+    "tpu" compiles the kernel, anything else takes the plain form); None: chosen at lowering
+    (lax.platform_dependent). A plain weight of one layer is `ragged_dot` everywhere."""
     out_dtype = x_MI.dtype if out_dtype is None else out_dtype
-    if not isinstance(w, QuantizedWeight):
+    if not isinstance(w, QuantizedWeight) and layer is None:
         y = jax.lax.ragged_dot(x_MI, w.astype(x_MI.dtype), sizes_E.astype(jnp.int32),
                                preferred_element_type=jnp.float32)
         return y.astype(out_dtype)
     if platform == "tpu":
-        return gmm(x_MI, w, sizes_E, out_dtype=out_dtype)
+        return gmm(x_MI, w, sizes_E, layer=layer, out_dtype=out_dtype)
     if platform is not None:
-        return gmm_reference(x_MI, w, sizes_E, out_dtype=out_dtype)
+        return gmm_reference(x_MI, w, sizes_E, out_dtype=out_dtype, layer=layer)
     return jax.lax.platform_dependent(
         x_MI, w, sizes_E,
-        tpu=lambda x, w, s: gmm(x, w, s, out_dtype=out_dtype),
-        cpu=lambda x, w, s: gmm(x, w, s, out_dtype=out_dtype, interpret=True),
-        default=lambda x, w, s: gmm_reference(x, w, s, out_dtype=out_dtype))
+        tpu=lambda x, w, s: gmm(x, w, s, layer=layer, out_dtype=out_dtype),
+        cpu=lambda x, w, s: gmm(x, w, s, layer=layer, out_dtype=out_dtype, interpret=True),
+        default=lambda x, w, s: gmm_reference(x, w, s, out_dtype=out_dtype, layer=layer))

@@ -115,14 +115,17 @@ def _combine(y_TKD, weight_TK):
     return (y_TKD.astype(jnp.float32) * weight_TK[..., None]).sum(1)
 
 
-def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD, kernel=False, platform=None):
+def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD, kernel=False, platform=None, layer=None):
     """SwiGLU of rows sorted by expert (sizes [E]) -> [M, D]; rows past Σ sizes give 0. kernel: quantized
     experts through k2jax.ops.gmm's grouped matmul (read in place, dequantized in VMEM on a TPU; platform
-    as grouped_matmul takes it) rather than dequantized whole for ragged_dot."""
+    as grouped_matmul takes it) rather than dequantized whole for ragged_dot. layer: with kernel, the weights
+    are every layer's stacks [L, E, ...] and the kernel reads this layer's tiles out of them."""
     if kernel:
-        g = grouped_matmul(x_MD, gate_EDF, sizes_E, platform=platform)
-        u = grouped_matmul(x_MD, up_EDF, sizes_E, platform=platform)
-        return grouped_matmul(jax.nn.silu(g) * u, down_EFD, sizes_E, platform=platform)
+        g = grouped_matmul(x_MD, gate_EDF, sizes_E, platform=platform, layer=layer)
+        u = grouped_matmul(x_MD, up_EDF, sizes_E, platform=platform, layer=layer)
+        return grouped_matmul(jax.nn.silu(g) * u, down_EFD, sizes_E, platform=platform, layer=layer)
+    if layer is not None:
+        gate_EDF, up_EDF, down_EFD = jax.tree.map(lambda a: a[layer], (gate_EDF, up_EDF, down_EFD))
     f32 = jnp.float32
     gate_EDF, up_EDF, down_EFD = (materialize(w, x_MD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
     g = jax.lax.ragged_dot(x_MD, gate_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
