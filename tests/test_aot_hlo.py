@@ -244,6 +244,41 @@ def test_traffic_counts_loop_bodies_by_trips_slices_read_and_updates_in_place():
     assert moved.top[0][1:] == ("fusion", dot, 3)
 
 
+OFFLOAD = """HloModule m, entry_computation_layout={(bf16[4096,640]{1,0}, s32[128]{0}, bf16[16,640]{1,0}, s32[16]{0})->(bf16[128,640]{1,0}, bf16[4096,640]{1,0})}
+
+%gathered (g0: bf16[4096,640], g1: s32[128]) -> bf16[128,640] {
+  %g0 = bf16[4096,640]{1,0} parameter(0)
+  %g1 = s32[128]{0} parameter(1)
+  %gs = (bf16[4096,640]{1,0}, s32[128]{0}, bf16[128,640]{1,0}, u32[]) call-start(%g0, %g1), async_execution_thread="sparsecore", to_apply=%g
+  ROOT %gd = bf16[128,640]{1,0} call-done(%gs)
+}
+
+ENTRY %main (pool: bf16[4096,640], ids: s32[128], upd: bf16[16,640], at: s32[16]) -> (bf16[128,640], bf16[4096,640]) {
+  %pool = bf16[4096,640]{1,0} parameter(0)
+  %ids = s32[128]{0} parameter(1)
+  %upd = bf16[16,640]{1,0} parameter(2)
+  %at = s32[16]{0} parameter(3)
+  %gather_offload_async_start = ((), (), (s32[1]{0})) call-start(), async_execution_thread="sparsecore", to_apply=%gathered
+  %gather_offload_async_start.update = ((bf16[4096,640]{1,0}, s32[128]{0}), bf16[128,640]{1,0}) call-update(%gather_offload_async_start, %pool, %ids)
+  %gather_offload_async_done = bf16[128,640]{1,0} call-done(%gather_offload_async_start.update)
+  %scatter_offload_async_start = ((), (), (s32[1]{0})) call-start(), async_execution_thread="sparsecore", to_apply=%gathered
+  %scatter_offload_async_start.update = ((bf16[4096,640]{1,0}, s32[16]{0}, bf16[16,640]{1,0}), bf16[4096,640]{1,0}) call-update(%scatter_offload_async_start, %pool, %at, %upd)
+  %scatter_offload_async_done = bf16[4096,640]{1,0} call-done(%scatter_offload_async_start.update)
+  ROOT %t = (bf16[128,640]{1,0}, bf16[4096,640]{1,0}) tuple(%gather_offload_async_done, %scatter_offload_async_done)
+}
+"""
+
+
+def test_traffic_counts_sparsecore_gathers_and_scatters_by_the_rows_they_move():
+    """XLA:TPU's SparseCore offloads list the whole table among their operands: a gather of 128 pages' rows
+    out of a 4096-row pool moves those rows (read and written), a scatter of 16 rows into it its 16 rows, and
+    the call-dones (bookkeeping) nothing; the tiny call-starts count their few bytes."""
+    moved = hlo.traffic(hlo.parse(OFFLOAD))
+    rows = 128 * 640 * 2 * 2 + 16 * 640 * 2 * 2
+    assert rows <= moved.bytes <= rows + 64, moved.top
+    assert moved.bytes < 4096 * 640 * 2  # not the pool
+
+
 def test_step_model_by_hand():
     """A decode step of 64 rows on v5p chips: moves 60 GiB, 2 TFLOP, 1 GiB of collectives, arguments 20 GiB."""
     from k2jax.aot.compile import Result

@@ -665,6 +665,24 @@ def _custom_bytes(inst: Instruction) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _offload_bytes(inst: Instruction, comp: Computation) -> int:
+    """Bytes an async call moves each way, counted at its call-update (shape ((operands...), result)); its
+    call-done, bookkeeping, moves nothing. XLA:TPU runs gathers and scatters on the SparseCore this way
+    (`gather_offload_async_start.N.update`, `scatter_offload_...`): a gather reads and writes its result's
+    rows, a scatter its updates (in place), not the whole table (the KV pool, the embeddings) its operands
+    list. Another async call: its operands read and its result written (read + written returned halved)."""
+    if inst.op == "call-done":
+        src = comp.instructions.get(inst.operands[0]) if inst.operands else None
+        return 0 if src is not None and src.op == "call-update" else inst.nbytes
+    if not inst.shapes:
+        return 0
+    if "gather_offload" in inst.name:
+        return inst.shapes[-1].nbytes
+    if "scatter_offload" in inst.name and len(inst.shapes) >= 2:
+        return inst.shapes[-2].nbytes  # the updates (operands: table, indices, updates)
+    return (sum(a.nbytes for a in inst.shapes[:-1]) + inst.shapes[-1].nbytes) // 2
+
+
 def traffic(module: Module, top: int = 10) -> Traffic:
     """Bytes moved and flops of one run of the module, per chip, each computation's ops counted as often as
     it runs (`executions`: a loop body times its trip count, a conditional's branches each as taken).
@@ -675,7 +693,8 @@ def traffic(module: Module, top: int = 10) -> Traffic:
     (bitcast, tuple, get-tuple-element, parameters, constants) move nothing. Flops: every dot and ragged-dot,
     in fusions too, 2 x output x contracted elements (a ragged-dot as if every row met every group: it
     computes one group per row, so this is exact), and a Pallas kernel's own estimate where it gives one.
-    A Pallas kernel's bytes are its own estimate too, where it gives one (see _custom_bytes)."""
+    A Pallas kernel's bytes are its own estimate too, where it gives one (see _custom_bytes); a SparseCore
+    gather or scatter, the rows it moves (see _offload_bytes)."""
     runs, _ = executions(module)
     fused = fused_computations(module)
     total, flops, movers = 0, 0, []
@@ -691,6 +710,8 @@ def traffic(module: Module, top: int = 10) -> Traffic:
                 read, written = inst.nbytes, inst.nbytes
             elif inst.op == "slice-start" and len(inst.shapes) >= 2:  # async: (operand, slice, context)
                 read = written = inst.shapes[-2].nbytes
+            elif inst.op in ("call-update", "call-done"):
+                read = written = _offload_bytes(inst, comp)
             elif inst.op == "custom-call" and _custom_bytes(inst) is not None:
                 read, written = _custom_bytes(inst), 0
             elif inst.op == "dynamic-update-slice" and len(inst.operands) > 1:

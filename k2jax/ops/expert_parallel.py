@@ -85,7 +85,8 @@ def _in_place(stacks, layer_w, mesh) -> bool:
     shard holding part of a block (that one is dequantized per shard: see _local_weight)."""
     e_ax, f_ax = _weight_axes(layer_w[0].shape, mesh)
     specs = (P(None, e_ax, None, f_ax), P(None, e_ax, None, f_ax), P(None, e_ax, f_ax, None))
-    return all(len(s.shape) == len(w.shape) + 1 and not (is_quantized(s) and _split_blocks(s, _weight_spec(s, sp, mesh)))
+    return all(len(s.shape) == len(w.shape) + 1
+               and not (is_quantized(s) and _split_blocks(s, _weight_spec(s, sp, mesh)))
                for s, w, sp in zip(stacks, layer_w, specs))
 
 
