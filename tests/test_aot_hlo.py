@@ -244,6 +244,27 @@ def test_traffic_counts_loop_bodies_by_trips_slices_read_and_updates_in_place():
     assert moved.top[0][1:] == ("fusion", dot, 3)
 
 
+def test_traffic_follows_a_weight_into_a_nested_fusion_that_slices_it():
+    """The dot's fusion takes the whole stack and hands it, with the layer index, to a nested fusion that
+    slices one layer out (how XLA:TPU fuses a scanned weight's slice into a dot): one layer is read, as when
+    the slice sits in the dot's fusion itself, not the stack."""
+    nested = LOOP.replace("""  %z = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  %w = bf16[64,128]{1,0} bitcast(%ds)
+  ROOT %d""", """  %w = bf16[64,128]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fslice
+  ROOT %d""").replace("%fdot (", """%fslice (s0: bf16[4,64,128], s1: s32[]) -> bf16[64,128] {
+  %s0 = bf16[4,64,128]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %w = bf16[64,128]{1,0} bitcast(%ds)
+}
+
+%fdot (""")
+    assert "calls=%fslice" in nested
+    assert hlo.traffic(hlo.parse(nested)).bytes == hlo.traffic(hlo.parse(LOOP)).bytes
+
+
 OFFLOAD = """HloModule m, entry_computation_layout={(bf16[4096,640]{1,0}, s32[128]{0}, bf16[16,640]{1,0}, s32[16]{0})->(bf16[128,640]{1,0}, bf16[4096,640]{1,0})}
 
 %gathered (g0: bf16[4096,640], g1: s32[128]) -> bf16[128,640] {

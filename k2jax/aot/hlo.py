@@ -569,16 +569,7 @@ def _fusion_operand_bytes(module: Module, inst: Instruction, comp: Computation) 
     written = inst.nbytes
     if body is None:
         return sum(sizes), written
-    params = {}
-    for i in body.instructions.values():
-        if i.op == "parameter":
-            m = re.search(r"parameter\((\d+)\)", i.text)
-            if m:
-                params[i.name] = int(m.group(1))
-    users: dict[str, list[Instruction]] = {}
-    for i in body.instructions.values():
-        for o in i.operands:
-            users.setdefault(o, []).append(i)
+    params, users = _params_and_users(body)
     roots = [body.instructions[body.root]] if body.root in body.instructions else []
     if roots and roots[0].op == "tuple":
         roots = [body.instructions[o] for o in roots[0].operands if o in body.instructions]
@@ -595,11 +586,26 @@ def _fusion_operand_bytes(module: Module, inst: Instruction, comp: Computation) 
             whole, upd = in_place[k]
             written -= whole - upd
             continue
-        sliced = _sliced_elements(name, users)
+        sliced = _sliced_elements(name, users, module=module)
         per = sizes[k] / max(sum(a.elements for a in comp.instructions[inst.operands[k]].shapes), 1) \
             if inst.operands[k] in comp.instructions else 0
         read += sizes[k] if sliced is None else min(sizes[k], int(sliced * per))
     return read, max(written, 0)
+
+
+def _params_and_users(body: Computation) -> tuple[dict[str, int], dict[str, list[Instruction]]]:
+    """A computation's parameters ({name: index}) and each value's users."""
+    params = {}
+    for i in body.instructions.values():
+        if i.op == "parameter":
+            m = re.search(r"parameter\((\d+)\)", i.text)
+            if m:
+                params[i.name] = int(m.group(1))
+    users: dict[str, list[Instruction]] = {}
+    for i in body.instructions.values():
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    return params, users
 
 
 # Ops a value passes through element for element (a layout change, a conversion, a nested loop fusion of it
@@ -607,9 +613,11 @@ def _fusion_operand_bytes(module: Module, inst: Instruction, comp: Computation) 
 _PASS = ("bitcast", "copy", "convert", "reshape", "transpose", "fusion")
 
 
-def _sliced_elements(name: str, users: dict, depth: int = 0) -> int | None:
+def _sliced_elements(name: str, users: dict, depth: int = 0, module: Module | None = None) -> int | None:
     """Elements of value `name` that a fused computation reads, when every use of it ends, through
-    element-for-element ops, in a slice, dynamic slice or gather of it; None when some use reads it whole."""
+    element-for-element ops, in a slice, dynamic slice or gather of it; None when some use reads it whole.
+    A nested fusion that takes it with other operands (a dynamic slice by a layer index: the scanned
+    weights' slice fused into a dot) is followed into its computation (given the module)."""
     us = users.get(name, [])
     if not us or depth > 4:
         return None
@@ -618,7 +626,18 @@ def _sliced_elements(name: str, users: dict, depth: int = 0) -> int | None:
         if u.op in _SLICING and u.operands[0] == name:
             total += sum(a.elements for a in u.shapes)
         elif u.op in _PASS and len(u.operands) == 1:
-            n = _sliced_elements(u.name, users, depth + 1)
+            n = _sliced_elements(u.name, users, depth + 1, module)
+            if n is None:
+                return None
+            total += n
+        elif u.op == "fusion" and module is not None and u.operands.count(name) == 1:
+            body = module.computations.get((u.calls.get("calls") or [""])[0])
+            if body is None:
+                return None
+            params, inner = _params_and_users(body)
+            k = u.operands.index(name)
+            param = next((p for p, i in params.items() if i == k), None)
+            n = None if param is None else _sliced_elements(param, inner, depth + 1, module)
             if n is None:
                 return None
             total += n
