@@ -83,11 +83,19 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
 def _in_place(stacks, layer_w, mesh) -> bool:
     """Whether the stacks can stand in for the layer's arrays: one more (layer) dim each, and no quantized
     shard holding part of a block (that one is dequantized per shard: see _local_weight)."""
+    if any(len(s.shape) != len(w.shape) + 1 for s, w in zip(stacks, layer_w)):
+        return False
     e_ax, f_ax = _weight_axes(layer_w[0].shape, mesh)
-    specs = (P(None, e_ax, None, f_ax), P(None, e_ax, None, f_ax), P(None, e_ax, f_ax, None))
-    return all(len(s.shape) == len(w.shape) + 1
-               and not (is_quantized(s) and _split_blocks(s, _weight_spec(s, sp, mesh)))
-               for s, w, sp in zip(stacks, layer_w, specs))
+    specs = _weight_specs(stacks, e_ax, f_ax, mesh, stacked=True)
+    return not any(is_quantized(s) and _split_blocks(s, sp) for s, sp in zip(stacks, specs))
+
+
+def _weight_specs(ws, e_ax, f_ax, mesh, stacked: bool = False) -> tuple:
+    """shard_map in_specs of (gate, up, down): experts over e_ax, the hidden dim over f_ax; with `stacked`,
+    every layer's stacks, their layer dim whole on every device."""
+    lead = (None,) if stacked else ()
+    dims = ((e_ax, None, f_ax), (e_ax, None, f_ax), (e_ax, f_ax, None))
+    return tuple(_weight_spec(w, P(*lead, *d), mesh) for w, d in zip(ws, dims))
 
 
 def _from_stacks(kw, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
@@ -146,9 +154,7 @@ def _expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, mes
     idx_TK = jnp.concatenate([idx_TK, jnp.broadcast_to(jnp.arange(K, dtype=idx_TK.dtype), (pad, K))])
     t_ax = tok_axes if tok_axes else None
 
-    lead = () if layer is None else (None,)  # the stacks' layer dim: whole on every device
-    w_specs = tuple(_weight_spec(w, P(*lead, *spec), mesh) for w, spec in
-                    ((gate_EDF, (e_ax, None, f_ax)), (up_EDF, (e_ax, None, f_ax)), (down_EFD, (e_ax, f_ax, None))))
+    w_specs = _weight_specs((gate_EDF, up_EDF, down_EFD), e_ax, f_ax, mesh, stacked=layer is not None)
 
     def local(x_tD, idx_tK, w_tK, layer, gate_eDf, up_eDf, down_efD):
         if layer is not None:  # the stacks, read in place by the kernel: not dequantized, not made to vary

@@ -125,7 +125,7 @@ def _ragged_swiglu(x_MD, sizes_E, gate_EDF, up_EDF, down_EFD, kernel=False, plat
         u = grouped_matmul(x_MD, up_EDF, sizes_E, platform=platform, layer=layer)
         return grouped_matmul(jax.nn.silu(g) * u, down_EFD, sizes_E, platform=platform, layer=layer)
     if layer is not None:
-        gate_EDF, up_EDF, down_EFD = jax.tree.map(lambda a: a[layer], (gate_EDF, up_EDF, down_EFD))
+        raise ValueError("_ragged_swiglu reads a layer out of stacks through the kernel path only")
     f32 = jnp.float32
     gate_EDF, up_EDF, down_EFD = (materialize(w, x_MD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
     g = jax.lax.ragged_dot(x_MD, gate_EDF, sizes_E, preferred_element_type=f32).astype(x_MD.dtype)
