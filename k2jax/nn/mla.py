@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from k2jax.config import K2Config
 from k2jax.nn.common import param
-from k2jax.ops.attention import attend
+from k2jax.ops.attention import attend_with_prefix
 from k2jax.ops.matmul import einsum
 from k2jax.ops.quant import materialize
 from k2jax.nn.norm import RMSNorm
@@ -22,9 +22,9 @@ class MLA(nn.Module):
     """x [B, T, D], positions [B, T], kv_valid [B, T] (True = a real token; causal implied), context ->
     (out [B, T, D], the T tokens' latents {"ckv": [B, T, R], "k_pe": [B, T, P]} for the cache).
 
-    context: None (the tokens attend to themselves only) or this layer's cached tokens (ckv [B, S, R],
-    k_pe [B, S, P], valid [B, S]; k2jax.ops.paged.PagedCache.read), a prefix every new token may see where
-    valid. The attention form follows from the shapes (k2jax.ops.attention.attend); `attention` "plain"
+    context: None (the tokens attend to themselves only), this layer's cached tokens (ckv [B, S, R],
+    k_pe [B, S, P], valid [B, S]), a prefix every new token may see where valid, or a cache's view of this
+    layer that attends itself (k2jax.ops.paged.PagedContext, k2jax.ops.ragged.RaggedContext). The attention form follows from the shapes (k2jax.ops.attention.attend); `attention` "plain"
     takes the plain expanded form instead (the reference).
     """
 
@@ -64,18 +64,10 @@ class MLA(nn.Module):
         # attention kernels use it two ways (expanding the keys, or absorbed into the query and output).
         w_kv_b_RNX = materialize(param(self, "kv_b_proj", (R, N, K + V), ("kv_lora", "heads", "head_dim"), dt), dt)
         w_o_NVD = param(self, "o_proj", (N, V, D), ("heads", "head_dim", "embed"), dt)
-        if hasattr(context, "attend"):  # a ragged step's (k2jax.ops.ragged): it reads the pool itself
-            out_BTNV = context.attend(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, cfg.softmax_scale)
-            return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), new
-
-        # The keys: the cached prefix (if any), then the new tokens themselves.
-        ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
-        if context is not None:
-            c_ckv_BSR, c_k_pe_BSP, c_valid_BS = context
-            ckv_BSR = jnp.concatenate([c_ckv_BSR.astype(dt), ckv_BTR], 1)
-            k_pe_BSP = jnp.concatenate([c_k_pe_BSP.astype(dt), k_pe_BTP], 1)
-            valid_BS = jnp.concatenate([c_valid_BS, valid_BS], 1)
-
-        out_BTNV = attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, valid_BS, cfg.softmax_scale,
-                          self.attention)
+        if hasattr(context, "attend"):  # a paged or ragged cache's layer: it reads its pool itself
+            out_BTNV = context.attend(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT,
+                                      cfg.softmax_scale, self.attention)
+        else:  # the cached prefix as arrays (if any), then the new tokens themselves
+            out_BTNV = attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT,
+                                          cfg.softmax_scale, dt, self.attention, context)
         return einsum("BTNV,NVD->BTD", out_BTNV, w_o_NVD, dtype=dt), new

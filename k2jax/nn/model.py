@@ -72,6 +72,8 @@ class K2Model(nn.Module):
         x_BTD = embed_VD[tokens_BT]
         # The MoE layers' routed-expert stacks go to the blocks whole, with each layer's index (see MoE).
         stacks = self._expert_stacks()
+        if cache is not None and hasattr(cache, "kv_b"):  # a paged cache's decode reads them in place
+            cache = cache.replace(kv_b=self._kv_b_stacks())
         new = {}
         for name, n, moe in (("dense_layers", cfg.num_dense_layers, False),
                              ("moe_layers", cfg.num_moe_layers, True)):
@@ -96,7 +98,19 @@ class K2Model(nn.Module):
             logits = logits[:, 0]
         if cache is None:
             return logits
-        return logits, cache.append(new, valid_BT.sum(1).astype(jnp.int32))
+        cache = cache.append(new, valid_BT.sum(1).astype(jnp.int32))
+        return logits, (cache.replace(kv_b={}) if hasattr(cache, "kv_b") else cache)
+
+    def _kv_b_stacks(self) -> dict:
+        """{group: its layers' kv_b_proj stack [L, R, N, K + V]} for the groups whose stack is a plain array (a
+        quantized one is dequantized per layer as before), values only (a cache is no training path)."""
+        out = {}
+        for name in ("dense_layers", "moe_layers"):
+            if self.has_variable("params", name):
+                w = self.get_variable("params", name).get("self_attn", {}).get("kv_b_proj")
+                if isinstance(w, jax.Array):
+                    out[name] = jax.lax.stop_gradient(w)
+        return out
 
     def _expert_stacks(self):
         """The params' routed-expert stacks of the MoE layers ({"gate_proj": [L, E, D, F], ...}), their

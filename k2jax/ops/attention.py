@@ -57,6 +57,20 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
     return attend_blocked(*args, kv_valid_BS, scale)
 
 
+def attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, dtype,
+                       impl: str = "auto", prefix=None):
+    """`attend` over a cached prefix and the T new tokens: the prefix (ckv [B, S, R], k_pe [B, S, P], valid
+    [B, S], in any dtype; k2jax.ops.paged.PagedCache.read) first, then the new tokens' own latents (ckv [B, T,
+    R], k_pe [B, T, P], kv_valid [B, T]), all in `dtype`. prefix None: the new tokens alone. -> [B, T, N, V]."""
+    ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
+    if prefix is not None:
+        c_ckv_BSR, c_k_pe_BSP, c_valid_BS = prefix
+        ckv_BSR = jnp.concatenate([c_ckv_BSR.astype(dtype), ckv_BTR], 1)
+        k_pe_BSP = jnp.concatenate([c_k_pe_BSP.astype(dtype), k_pe_BTP], 1)
+        valid_BS = jnp.concatenate([c_valid_BS, valid_BS], 1)
+    return attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, valid_BS, scale, impl)
+
+
 def causal_mask(kv_valid_BS, T: int):
     """[B, T, S] bool: new token t (key index S - T + t) sees key s iff s <= S - T + t and kv_valid[b, s]."""
     S = kv_valid_BS.shape[1]

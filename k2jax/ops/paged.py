@@ -34,11 +34,15 @@ tokens per row, S = W * Y cached positions per row, C = R + P, R kv_lora_rank, P
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from k2jax.ops.attention import attend_with_prefix
+from k2jax.ops.paged_mla import paged_mla
+from k2jax.ops.quant import materialize
 from k2jax.sharding import logical_to_spec, per_shard, split_axes
 
 E4M3_MAX = 448.0
@@ -60,6 +64,9 @@ class PagedCache:
     shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     read_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     pad: int = dataclasses.field(default=0, metadata=dict(static=True))  # zero columns after each token's C
+    # The groups' kv_b_proj stacks {group: [L, R, N, K + V]} (values only), as the model hands them for a step
+    # (K2Model.forward): a decode step reads a layer's W_UK and W_UV out of them in place (see PagedContext).
+    kv_b: dict = dataclasses.field(default_factory=dict)
 
     @property
     def page_size(self) -> int:
@@ -81,9 +88,42 @@ class PagedCache:
         return self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
     def context(self, group: str, layer, dtype):
-        """What layer `layer` of `group` attends over (k2jax.nn.block): `read`'s cached tokens, or None for a
-        step that reads none (read_pages 0: a first prompt chunk)."""
-        return None if self.read_pages == 0 else self.read(group, layer, dtype)
+        """What layer `layer` of `group` attends over (k2jax.nn.block): its PagedContext, or None for a step
+        that reads no cached token (read_pages 0: a first prompt chunk)."""
+        return None if self.read_pages == 0 else PagedContext(self, group, layer, dtype)
+
+    def in_place(self, B: int, N: int) -> bool:
+        """Whether a step of B rows of N heads can read the pool in place, each shard its own part (the
+        kernel's shard_map): the rows split like the pool (or there is one shard), and no mesh axis splits
+        the heads, which the kernel would otherwise gather."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.shape:
+            return True
+        def split(axes):
+            return [a for a in axes if mesh.shape.get(a, 1) > 1]
+
+        heads = logical_to_spec(("heads",), (N,), dict(mesh.shape))[0]
+        heads = () if heads is None else (heads,) if isinstance(heads, str) else heads
+        return not split(heads) and (bool(split_axes(self.shard_axes, B)) or not split(self.shard_axes))
+
+    def attend_pages(self, group: str, layer, q_lat_BgNR, q_pe_BgNP, interpret: bool = False):
+        """The online-softmax state (m, l [B, g, N], acc [B, g, N, R], float32) of row b's g queries (absorbed
+        and scaled: q_lat [B, g, N, R], q_pe [B, g, N, P]) over the row's cached tokens, read in place by the
+        Pallas kernel (k2jax.ops.paged_mla), each data-parallel shard over its own part of the pool. See
+        `in_place` for when it applies. interpret: Pallas' interpreter (CPU tests)."""
+        pages, scales = self.pages[group], self.scales.get(group)
+        R = q_lat_BgNR.shape[-1]
+
+        def local(first, table_BW, lengths_B, q_lat, q_pe, layer, pages, *scales):
+            B = table_BW.shape[0]
+            return paged_mla(q_lat, q_pe, jnp.arange(B, dtype=jnp.int32), jnp.ones((B,), bool), pages,
+                             scales[0] if scales else None, layer, table_BW - first, lengths_B, R, self.pad,
+                             interpret=interpret)
+
+        extra = () if scales is None else (scales,)
+        table_BW = self.page_table if self.read_pages is None else self.page_table[:, :self.read_pages]
+        return self._per_shard(local, (table_BW, self.lengths, q_lat_BgNR, q_pe_BgNP, layer, pages) + extra,
+                               (0, 0, 0, 0, None, 1) + (1,) * len(extra), (0, 0, 0))
 
     def read(self, group: str, layer, dtype):
         """Layer `layer` (a traced index into the group's stack) of every row's cached tokens ->
@@ -149,6 +189,68 @@ class PagedCache:
         axes = split_axes(self.shard_axes, args[0].shape[0])
         shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1
         return per_shard(lambda shard, *xs: fn(shard * (self.num_pages // shards), *xs), args, dims, out_dims, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedContext:
+    """One layer's view of a PagedCache, handed to the attention (k2jax.nn.mla)."""
+
+    cache: PagedCache
+    group: str
+    layer: jax.Array
+    dtype: jnp.dtype
+
+    def read(self):
+        """The layer's cached tokens, gathered: PagedCache.read."""
+        return self.cache.read(self.group, self.layer, self.dtype)
+
+    def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, impl="auto"):
+        """The T new tokens' attention over the cached tokens and themselves -> [B, T, N, V].
+
+        XLA's form (the reference, and the path off TPU): the cached tokens gathered (`read`), then
+        k2jax.ops.attention.attend_with_prefix. On a TPU a decode step (T = 1, impl "auto", `in_place`) reads
+        the pool in place instead: `decode_in_place`, the Pallas kernel."""
+        B, T, N, _ = q_nope_BTNK.shape
+        args = (q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT)
+
+        def gathered(*args):
+            return attend_with_prefix(*args, scale, self.dtype, impl, self.read())
+
+        if T != 1 or impl != "auto" or not self.cache.in_place(B, N):
+            return gathered(*args)
+        return jax.lax.platform_dependent(*args, tpu=functools.partial(self.decode_in_place, scale=scale),
+                                          default=gathered)
+
+    def decode_in_place(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
+                        interpret: bool = False):
+        """Absorbed attention (K2_REFERENCE.md §3) of each row's new tokens over its cached tokens, read in
+        place by the kernel (PagedCache.attend_pages), and then over the row's one new token itself (seen where
+        kv_valid): the two online-softmax states merged, W_UV applied. For T = 1; shapes as `attend`."""
+        B, T, N, K = q_nope_BTNK.shape
+        assert T == 1, T
+        dt, f32 = self.dtype, jnp.float32
+        stack = self.cache.kv_b.get(self.group)
+        if stack is not None:  # each half read out of the stack by its own product: no copy of the layer's
+            w_uk_RNK, w_uv_RNV = (stack[self.layer, ..., :K].astype(dt),  # (two readers of one slice would)
+                                  stack[self.layer, ..., K:].astype(dt))
+        else:
+            w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
+            w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+        q_lat_BTNR = (jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
+                      * scale).astype(dt)
+        q_pe_BTNP = (q_pe_BTNP.astype(f32) * scale).astype(dt)
+        ckv_BTR, k_pe_BTP = ckv_BTR.astype(dt), k_pe_BTP.astype(dt)
+        m, l, acc = self.cache.attend_pages(self.group, self.layer, q_lat_BTNR, q_pe_BTNP, interpret)
+        s_BTN = (jnp.einsum("BTNR,BTR->BTN", q_lat_BTNR, ckv_BTR, preferred_element_type=f32)
+                 + jnp.einsum("BTNP,BTP->BTN", q_pe_BTNP, k_pe_BTP, preferred_element_type=f32))
+        see_BTN = jnp.broadcast_to(kv_valid_BT.astype(bool)[..., None], s_BTN.shape)
+        m_new = jnp.where(see_BTN, jnp.maximum(m, s_BTN), m)
+        corr, p_BTN = jnp.exp(m - m_new), jnp.where(see_BTN, jnp.exp(s_BTN - m_new), 0.0)
+        l = l * corr + p_BTN
+        acc = (acc * corr[..., None]
+               + p_BTN.astype(dt).astype(f32)[..., None] * ckv_BTR.astype(f32)[:, :, None, :])
+        o_lat_BTNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # a padding row sees nothing: 0
+        return jnp.einsum("BTNR,RNV->BTNV", o_lat_BTNR, w_uv_RNV, preferred_element_type=f32).astype(dt)
 
 
 def gather_latents(pages_LAYC, scales_LA2Y, layer, ids, C: int, R: int, dtype):

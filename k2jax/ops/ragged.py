@@ -108,8 +108,9 @@ class RaggedContext:
     layer: jax.Array
     dtype: jnp.dtype
 
-    def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, scale):
-        """The new tokens' attention (B = 1: the flat batch) -> [1, T, N, V]; see ragged_attention."""
+    def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, impl="auto"):
+        """The new tokens' attention (B = 1: the flat batch) -> [1, T, N, V]; see ragged_attention. kv_valid and
+        impl are not used: the step's metadata says which tokens are real, and there is one form."""
         c = self.cache
         out_TNV = ragged_attention(q_nope_BTNK[0], q_pe_BTNP[0], ckv_BTR[0], k_pe_BTP[0], w_kv_b_RNX, scale,
                                    c.pages[self.group], c.scales.get(self.group), self.layer, c.page_table,
