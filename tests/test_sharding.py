@@ -260,3 +260,26 @@ def test_exchange_gradients_equal_dense(spec, mode, capacity):
         got = jax.jit(sharded)(x, wt, w)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(reference)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("R,K,e,E", [(64, 8, 6, 384), (5, 3, 4, 8), (7, 4, 2, 6), (3, 2, 8, 16)])
+@pytest.mark.parametrize("matmul_rows", [256, 0], ids=["matmul", "gather"])
+def test_combine_equals_its_plain_form(R, K, e, E, matmul_rows, monkeypatch):
+    """The exchange's combine (a matmul of the weights laid out [R, M], or each row gathering its own local
+    slots' outputs) equals its plain form (every slot scattered onto its row), with rows holding from none to
+    min(K, e) local experts, e >= K and e < K."""
+    from k2jax.ops import expert_parallel
+    from k2jax.ops.expert_parallel import _combine, _combine_plain
+
+    monkeypatch.setattr(expert_parallel, "COMBINE_MATMUL_ROWS", matmul_rows)
+    rng = np.random.default_rng(R)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(R)])
+    lid = np.where(idx < e, idx, e)  # experts 0 .. e-1 are this device's; e marks the others'
+    M = R * min(K, e)
+    order = np.argsort(lid.reshape(-1), kind="stable")[:M]
+    y = jnp.asarray(rng.standard_normal((M, 11)), jnp.bfloat16)
+    w = jnp.asarray(rng.random((R, K)), jnp.float32)
+    args = (y, jnp.asarray(order), jnp.asarray(lid), w, e)
+    got, want = np.asarray(_combine(*args)), np.asarray(_combine_plain(*args))
+    assert (lid < e).any(1).sum() > 0 and np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
