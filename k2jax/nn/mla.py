@@ -24,8 +24,9 @@ class MLA(nn.Module):
 
     context: None (the tokens attend to themselves only), this layer's cached tokens (ckv [B, S, R],
     k_pe [B, S, P], valid [B, S]), a prefix every new token may see where valid, or a cache's view of this
-    layer that attends itself (k2jax.ops.paged.PagedContext, k2jax.ops.ragged.RaggedContext). The attention form follows from the shapes (k2jax.ops.attention.attend); `attention` "plain"
-    takes the plain expanded form instead (the reference).
+    layer that attends itself (k2jax.ops.paged.PagedContext, k2jax.ops.ragged.RaggedContext). The attention
+    form follows from the shapes (k2jax.ops.attention.attend); `attention` "plain" takes the plain expanded
+    form instead (the reference).
     """
 
     cfg: K2Config

@@ -275,7 +275,7 @@ def _combine(y_MD, order_M, lid_RK, w_RK, e: int):
     hold the rows' (r, k) in the order order_M (flat indices r * K + k; local ones first).
 
     The plain form (`_combine_plain`) scatters the M weighted slots onto their rows, and XLA:TPU writes and
-    reads a float32 copy of all M slots for it: about 2.4 GB per decode step of Kimi K2 on v5p `expert=64`
+    reads a float32 copy of all M slots for it: about 2.4 GiB per decode step of Kimi K2 on v5p `expert=64`
     (M = 384 slots for 64 rows). Here, for up to COMBINE_MATMUL_ROWS rows, the weights are laid out as a
     [R, M] matrix and the sum is one matmul that reads the slots once (float32 products, HIGHEST precision:
     the weights are not rounded to bf16). For more rows (a prompt's, where [R, M] would grow as R²), each row

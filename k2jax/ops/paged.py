@@ -99,6 +99,7 @@ class PagedCache:
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.shape:
             return True
+
         def split(axes):
             return [a for a in axes if mesh.shape.get(a, 1) > 1]
 
