@@ -132,6 +132,16 @@ def constrain(x, names: tuple[str | None, ...]):
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape), rules))
 
 
+def local_size(name: str, dim: int) -> int:
+    """How much of a dim of logical axis `name` (e.g. "batch") each device holds on the current mesh under
+    the logical-axis rules, as `constrain` would place it; dim itself without a mesh or rules."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or not mesh.shape:
+        return dim
+    return dim // shard_count(logical_to_spec((name,), (dim,), dict(mesh.shape), rules)[0], dict(mesh.shape))
+
+
 def format_bytes(n: float) -> str:
     """Bytes to 3 significant figures in the unit that fits: 512 B, 1.50 KiB, 67.1 MiB, 14.2 GiB, 1.02 TiB."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -38,9 +38,13 @@ def test_int4_decode_on_v5p_64_within_the_roofline_goals():
 
 
 def test_fp8_decode_on_v5p_64_reads_its_weights_in_place():
+    """Kimi-K2-Instruct (fp8 attention, dense and expert weights) on v5p:4x4x4, 64 x 8192: the step moves at
+    most 1.3x its arguments (the issue's goal; 1.29x when written, 7.46x before the dense fp8 weights were
+    read as held, k2jax.ops.matmul.einsum_fp8_blocks and k2jax.ops.paged.head_blocks)."""
     res, p = compiled("v5p:4x4x4", 64, 8192, ("decode",), quant="fp8")
     decode = res["decode"]
     assert decode.total_bytes <= 54 * GiB
+    assert decode.moved_bytes <= 1.3 * decode.argument_bytes, decode.moved_bytes / decode.argument_bytes
     assert decode.weight_copies == [], decode.weight_copies
     # Only the dense layer's MLP is gathered, by its fp8 values (16 MB a step): its hidden dim of 18432 split 64
     # ways leaves each chip 288 columns, not whole 128-column blocks, so XLA gathers 4 shards (9 blocks) to

@@ -38,7 +38,7 @@ def _cache(B, shards, quantized, pad, lengths, shard_axes=()):
                       None, pad)
 
 
-def _step(B, valid):
+def _step(B, valid, N=N, K=K, V=V):
     rng = np.random.default_rng(1)
     bf = jnp.bfloat16
     return (jnp.asarray(rng.standard_normal((B, 1, N, K)), bf), jnp.asarray(rng.standard_normal((B, 1, N, P)), bf),
@@ -121,3 +121,43 @@ def test_kv_b_read_out_of_the_stack():
     other = PagedContext(stacked, "g", jnp.asarray(0), jnp.bfloat16)
     assert np.abs(np.asarray(other.decode_in_place(*wrong_w, scale=K ** -0.5, interpret=True), np.float32)
                   - want).max() > 0.05
+
+
+@pytest.mark.parametrize("kv", [(128, 128), (256, 128), (16, 16)], ids=["K2", "two-K-blocks", "unaligned"])
+def test_fp8_kv_b_read_out_of_the_stack(kv):
+    """An fp8 kv_b_proj stack (Kimi-K2-Instruct's): where each 128 x 128 scale block covers whole columns of
+    one head's K or V part (K2: K = V = 128), W_UK and W_UV are read as held, each block's scale taken after
+    the product over K and onto the latent before the one over R (head_blocks); otherwise the layer is
+    dequantized. Both against XLA's gathered form with the layer's weight dequantized to bf16, and the
+    stack's layer (1), not the weight passed in, is the one used. The read-as-held form does not round the
+    dequantized weight to bf16, so it is held to the float64 result at least as closely as the dequantizing
+    form is."""
+    from k2jax.ops.paged import head_blocks
+    from k2jax.ops.quant import dequantize_weight, quantize_weight
+
+    Kh, Vh = kv
+    lengths, valid = [0, 4, 7, 12], [True] * 4
+    cache = _cache(4, 1, False, 0, lengths)
+    step = _step(4, valid, 2, Kh, Vh)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((2, R, 2, Kh + Vh)).astype(np.float32) * 0.2
+    w[1, :, 1] *= 4.0  # blocks of different scales
+    stack = quantize_weight(w, "fp8", 1, 1)
+    assert bool(head_blocks(stack, Kh)) == (kv != (16, 16))
+    ctx = PagedContext(cache.replace(kv_b={"g": stack}), "g", jnp.asarray(1), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda *a: ctx.decode_in_place(*a, scale=Kh ** -0.5, interpret=True))(*step),
+                     np.float64)
+    read = PagedContext(cache, "g", jnp.asarray(1), jnp.bfloat16).read()
+    want = np.asarray(attend_with_prefix(*step[:4], dequantize_weight(stack[1], jnp.bfloat16), step[5],
+                                         Kh ** -0.5, jnp.bfloat16, "auto", read), np.float64)
+    with jax.enable_x64():
+        f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in step[:4]]
+        exact = np.asarray(attend_with_prefix(*f64, jnp.asarray(dequantize_weight(stack[1], np.float32), jnp.float64),
+                                              step[5], Kh ** -0.5, jnp.float64, "plain",
+                                              jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), read)))
+    assert np.abs(exact).max() > 1.0
+    err, err_want = np.abs(got - exact).max(), np.abs(want - exact).max()
+    assert err <= 1.25 * err_want + 0.01, (err, err_want)
+    other = PagedContext(cache.replace(kv_b={"g": stack[::-1]}), "g", jnp.asarray(1), jnp.bfloat16)
+    assert np.abs(np.asarray(other.decode_in_place(*step, scale=Kh ** -0.5, interpret=True), np.float64)
+                  - exact).max() > 0.5

@@ -6,6 +6,8 @@ as an HF checkpoint for the oracle, and compare its float32 logits with k2jax co
 quantized leaves, on one device and on an expert=4,tensor=2 mesh.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from k2jax import K2Config, K2Model, abstract_params, make_mesh, param_shardings, use_mesh
+from k2jax.aot.topology import has_libtpu
 from k2jax.checkpoint import save_hf
 from k2jax.nn.model import expert_views
 from k2jax.nn.quantized import dequantize_params, quantize_params
@@ -20,7 +23,7 @@ from k2jax.ops.attention import attend_absorbed, attend_expanded
 from k2jax.ops.expert_parallel import moe_expert_parallel
 from k2jax.ops.matmul import einsum, einsum_reference
 from k2jax.ops.moe import moe_dense, moe_grouped
-from k2jax.ops.quant import QuantizedWeight, dequantize_weight, quantize_weight, unpack_int4
+from k2jax.ops.quant import QuantizedWeight, dequantize_weight, held_shapes, quantize_weight, unpack_int4
 from k2jax.testing import random_params
 from tests.test_parity import CONFIGS
 
@@ -109,6 +112,89 @@ def test_fp8_blocks_and_int4_groups_match_a_loop():
     np.testing.assert_array_equal(dequantize_weight(q4), ref4)
     err = np.abs(ref4 - w4).max(axis=1, keepdims=True) / np.abs(w4).max(axis=1, keepdims=True)
     assert err.max() < 0.1  # within half a step of 1/7 of the group's absmax
+
+
+# ------------------------------------------------------------------ fp8 weights read as held (TPU decode)
+@pytest.mark.parametrize("eq,x_shape,w_shape,in_ndim", [
+    ("BTNV,NVD->BTD", (1, 1, 4, 64), (4, 64, 300), 2),   # o_proj: two input dims, 2 input blocks
+    ("BTQ,QNH->BTNH", (2, 1, 200), (200, 3, 72), 1),      # q_b_proj: two output dims across blocks, a short block
+    ("BTD,DQ->BTQ", (3, 1, 384), (384, 256), 1),          # q_a_proj
+])
+def test_fp8_blocks_form_against_float64(eq, x_shape, w_shape, in_ndim):
+    """einsum_fp8_blocks (a TPU decode step's form: rows repeated per input block, the fp8 values read as
+    held, each block's scales taken after the dot) against the float64 product with the dequantized weight.
+    It does not round the dequantized weight to bf16, so it is at least as close as the dequantize-then-dot
+    reference, within the bf16 rounding of the result."""
+    from k2jax.ops.matmul import einsum_fp8_blocks
+
+    rng = np.random.default_rng(0)
+    w32 = rng.standard_normal(w_shape).astype(np.float32) * 0.05
+    w32[..., :17] *= 8.0  # output blocks of different scales
+    w = quantize_weight(w32, "fp8", in_ndim)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    exact = np.einsum(eq, np.asarray(x, np.float64), np.asarray(w.dequantize(jnp.float32), np.float64))
+    got = np.asarray(jax.jit(lambda x, w: einsum_fp8_blocks(eq, x, w))(x, w), np.float64)
+    ref = np.asarray(einsum_reference(eq, x, w, jnp.bfloat16), np.float64)
+    ulp = np.abs(exact).max() * 2.0 ** -8
+    assert np.abs(got - exact).max() <= np.abs(ref - exact).max() + 0.5 * ulp
+    assert np.abs(got - exact).max() <= 1.5 * ulp
+    # each block's scale is used: one input block's doubled is far off
+    wrong = QuantizedWeight(w.values, jnp.asarray(w.scales).at[-1].multiply(2.0), "fp8", in_ndim)
+    assert np.abs(np.asarray(einsum_fp8_blocks(eq, x, wrong), np.float64) - exact).max() > 10 * ulp
+
+
+def test_fp8_blocks_form_applies_to_few_rows_per_device():
+    """block_rows_apply: fp8 weights of one layer in bf16 at most MXU_ROWS rows x input blocks, the rows a
+    device holds: on a data=8 mesh, 64 rows of a 7168-input weight (56 blocks) are 8 per device, too many;
+    8 rows are one per device. Off TPU the step keeps the dequantizing form (lax.platform_dependent), so
+    einsum's result on CPU is unchanged."""
+    from k2jax.ops.matmul import MXU_ROWS, block_rows_apply
+    from k2jax.sharding import make_mesh, use_mesh
+
+    w = held_shapes((7168, 1536), "fp8")
+    bf = jnp.bfloat16
+    x = lambda B: jax.ShapeDtypeStruct((B, 1, 7168), bf)
+    assert MXU_ROWS // 56 == 2
+    assert block_rows_apply("BTD,DQ->BTQ", x(2), w, bf) and not block_rows_apply("BTD,DQ->BTQ", x(3), w, bf)
+    assert not block_rows_apply("BTD,DQ->BTQ", x(1), w, jnp.float32)  # the bf16 compute dtype only
+    assert not block_rows_apply("BTD,DQ->BTQ", x(1), held_shapes((7168, 1536), "int4"), bf)
+    assert not block_rows_apply("BTD,DQ->BTQ", x(1), held_shapes((4, 7168, 1536), "fp8", 1, 1), bf)  # a stack
+    assert not block_rows_apply("BTD,QD->BTQ", x(1), w, bf)  # not x's trailing dims against w's inputs
+    with use_mesh(make_mesh("data=8", jax.devices()[:8])):
+        assert block_rows_apply("BTD,DQ->BTQ", x(16), w, bf) and not block_rows_apply("BTD,DQ->BTQ", x(64), w, bf)
+    rng = np.random.default_rng(1)
+    wq = quantize_weight(rng.standard_normal((256, 384)).astype(np.float32), "fp8")
+    xv = jnp.asarray(rng.standard_normal((1, 1, 256)), bf)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: einsum("BTD,DQ->BTQ", x, w, dtype=bf))(xv, wq)),
+                                  np.asarray(einsum_reference("BTD,DQ->BTQ", xv, wq, bf)))
+
+
+@pytest.mark.skipif(not has_libtpu() and os.environ.get("K2JAX_REQUIRE_TPU_AOT") != "1",
+                    reason="libtpu is not installed (pip install 'k2jax[tpu-aot]')")
+@pytest.mark.parametrize("name,shape,in_ndim", [("o_proj", (64, 128, 7168), 2), ("q_b_proj", (1536, 64, 192), 1),
+                                                ("q_a_proj", (7168, 1536), 1)])
+def test_fp8_decode_reads_the_layers_weights_as_held_on_tpu(name, shape, in_ndim):
+    """Compiled for v5p by libtpu: a scan over 8 layers of Kimi K2's fp8 attention weights, one decode row,
+    through einsum (the model's matmul). Each layer's fp8 values are read in place out of the stack, about
+    once: the program moves at most 1.2x the stack's bytes (1.07 to 1.13x when written), where the
+    dequantize-then-dot form moves 9 to 17x."""
+    from k2jax.aot import hlo
+    from k2jax.aot.topology import load_topology
+
+    sh = jax.sharding.SingleDeviceSharding(load_topology("v5p:2x2x1").devices[0])
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                     held_shapes((8,) + shape, "fp8", in_ndim, 1))
+    ins, outs = "IJ"[:in_ndim], "OP"[:len(shape) - in_ndim]
+    eq = f"BT{ins},{ins}{outs}->BT{outs}"
+    x = jax.ShapeDtypeStruct((1, 1) + shape[:in_ndim], jnp.bfloat16, sharding=sh)
+
+    def layers(x, w):
+        return jax.lax.scan(lambda c, wl: (c + einsum(eq, x, wl, dtype=jnp.bfloat16).astype(jnp.float32).sum(),
+                                           None), 0.0, w)[0]
+
+    moved = hlo.traffic(hlo.parse(jax.jit(layers).lower(x, w).compile().as_text())).bytes
+    held = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
+    assert moved <= 1.2 * held, (name, moved / held)
 
 
 # ------------------------------------------------------------------------------ fast paths == references

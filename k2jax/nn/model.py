@@ -102,14 +102,14 @@ class K2Model(nn.Module):
         return logits, (cache.replace(kv_b={}) if hasattr(cache, "kv_b") else cache)
 
     def _kv_b_stacks(self) -> dict:
-        """{group: its layers' kv_b_proj stack [L, R, N, K + V]} for the groups whose stack is a plain array (a
-        quantized one is dequantized per layer as before), values only (a cache is no training path)."""
+        """{group: its layers' kv_b_proj stack [L, R, N, K + V]} for the groups whose stack is a plain array or
+        fp8 (an int4 one is dequantized per layer as before), values only (a cache is no training path)."""
         out = {}
         for name in ("dense_layers", "moe_layers"):
             if self.has_variable("params", name):
                 w = self.get_variable("params", name).get("self_attn", {}).get("kv_b_proj")
-                if isinstance(w, jax.Array):
-                    out[name] = jax.lax.stop_gradient(w)
+                if isinstance(w, jax.Array) or getattr(w, "fmt", None) == "fp8":
+                    out[name] = jax.tree.map(jax.lax.stop_gradient, w)
         return out
 
     def _expert_stacks(self):

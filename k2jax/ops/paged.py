@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from k2jax.ops.attention import attend_with_prefix
 from k2jax.ops.paged_mla import paged_mla
-from k2jax.ops.quant import materialize
+from k2jax.ops.quant import is_quantized, materialize
 from k2jax.sharding import logical_to_spec, per_shard, split_axes
 
 E4M3_MAX = 448.0
@@ -64,8 +64,9 @@ class PagedCache:
     shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     read_pages: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     pad: int = dataclasses.field(default=0, metadata=dict(static=True))  # zero columns after each token's C
-    # The groups' kv_b_proj stacks {group: [L, R, N, K + V]} (values only), as the model hands them for a step
-    # (K2Model.forward): a decode step reads a layer's W_UK and W_UV out of them in place (see PagedContext).
+    # The groups' kv_b_proj stacks {group: [L, R, N, K + V]} (plain, or fp8 QuantizedWeight; values only), as the
+    # model hands them for a step (K2Model.forward): a decode step reads a layer's W_UK and W_UV out of them in
+    # place (see PagedContext.decode_in_place, head_blocks).
     kv_b: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -231,14 +232,20 @@ class PagedContext:
         assert T == 1, T
         dt, f32 = self.dtype, jnp.float32
         stack = self.cache.kv_b.get(self.group)
-        if stack is not None:  # each half read out of the stack by its own product: no copy of the layer's
-            w_uk_RNK, w_uv_RNV = (stack[self.layer, ..., :K].astype(dt),  # (two readers of one slice would)
-                                  stack[self.layer, ..., K:].astype(dt))
+        blocks = stack is not None and head_blocks(stack, K)
+        if blocks:  # fp8, read as held: each 128 columns' block scale taken after the product over K
+            q_lat_BTNR = sum(jnp.einsum("BTNk,RNk->BTNR", q_nope_BTNK[..., cols], values.astype(dt),
+                                        preferred_element_type=f32) * s_NR
+                             for cols, values, s_NR in head_blocks(stack, K, self.layer, "K"))
         else:
-            w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
-            w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
-        q_lat_BTNR = (jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
-                      * scale).astype(dt)
+            if stack is None or is_quantized(stack):
+                w_kv_b_RNX = materialize(w_kv_b_RNX if stack is None else stack[self.layer], dt)
+                w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+            else:  # each half read out of the stack by its own product: no copy of the layer's (two readers
+                w_uk_RNK, w_uv_RNV = (stack[self.layer, ..., :K].astype(dt),  # of one slice would make one)
+                                      stack[self.layer, ..., K:].astype(dt))
+            q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
+        q_lat_BTNR = (q_lat_BTNR * scale).astype(dt)
         q_pe_BTNP = (q_pe_BTNP.astype(f32) * scale).astype(dt)
         ckv_BTR, k_pe_BTP = ckv_BTR.astype(dt), k_pe_BTP.astype(dt)
         m, l, acc = self.cache.attend_pages(self.group, self.layer, q_lat_BTNR, q_pe_BTNP, interpret)
@@ -250,8 +257,37 @@ class PagedContext:
         l = l * corr + p_BTN
         acc = (acc * corr[..., None]
                + p_BTN.astype(dt).astype(f32)[..., None] * ckv_BTR.astype(f32)[:, :, None, :])
-        o_lat_BTNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # a padding row sees nothing: 0
-        return jnp.einsum("BTNR,RNV->BTNV", o_lat_BTNR, w_uv_RNV, preferred_element_type=f32).astype(dt)
+        o_lat_BTNR = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a padding row sees nothing: 0
+        if blocks:  # each head's V block scale taken onto its latent before the product over R
+            return jnp.concatenate([
+                jnp.einsum("BTNR,RNv->BTNv", (o_lat_BTNR * s_NR).astype(dt), values.astype(dt),
+                           preferred_element_type=f32)
+                for _, values, s_NR in head_blocks(stack, K, self.layer, "V")], axis=-1).astype(dt)
+        return jnp.einsum("BTNR,RNV->BTNV", o_lat_BTNR.astype(dt), w_uv_RNV, preferred_element_type=f32).astype(dt)
+
+
+def head_blocks(stack, K: int, layer=None, half: str = "K"):
+    """An fp8 kv_b_proj stack [L, R, N, K + V] whose 128 x 128 scale blocks each cover whole columns of one
+    head's K or V part (K and K + V multiples of the block): its scale then varies with R and N only within
+    each 128 columns of a head, so a product over K (W_UK) takes it after the dot, and one over R (W_UV) on
+    the small latent before it, and the fp8 values are read in place as they are held. The TPU compiler
+    fuses the convert to bf16, but no block scale, into a dot: dequantizing first writes the layer's weight
+    out and reads it back (about 11 GiB a decode step for Kimi K2 on v5p-64).
+
+    Without `layer`: whether `stack` is such a stack. With it: for `half` "K" or "V", the list of
+    (the column slice within that half, the layer's fp8 values of those columns [R, N, 128], their scales
+    [N, R] float32, as they broadcast over [B, T, N, R]), one per 128 columns."""
+    if layer is None:
+        bo = getattr(stack, "block", (0, 0))[1]
+        return is_quantized(stack) and stack.fmt == "fp8" and bo and K % bo == 0 and stack.shape[-1] % bo == 0
+    bi, bo = stack.block
+    R, N, X = stack.shape[-3:]
+    start, width = (0, K) if half == "K" else (K, X - K)
+    out = []
+    for c in range(start, start + width, bo):
+        s_RN = jnp.repeat(stack.scales[layer].astype(jnp.float32), bi, axis=0)[:R, (jnp.arange(N) * X + c) // bo]
+        out.append((slice(c - start, c - start + bo), stack.values[layer, :, :, c:c + bo], s_RN.T))
+    return out
 
 
 def gather_latents(pages_LAYC, scales_LA2Y, layer, ids, C: int, R: int, dtype):

@@ -158,9 +158,10 @@ def compute_dtype(w, x):
 
 def materialize(w, dtype):
     """w itself if plain; a QuantizedWeight dequantized to `dtype`. Called right at a matmul's operand inside
-    the jitted step: the convert and the scale are elementwise on the values, so XLA:GPU/TPU fuse them into
-    the dot's operand and no dequantized copy of the weight outlives the op (XLA:CPU runs them as a separate
-    fusion writing a temp of the operand's size; bench/quant.py measures it)."""
+    the jitted step, so no dequantized copy of the weight outlives the op. XLA:CPU and XLA:TPU still write
+    the dequantized operand out as a temp and read it back (bench/quant.py measures CPU's): a TPU decode step
+    reads fp8 weights as held instead (k2jax.ops.matmul.einsum_fp8_blocks), and quantized experts through
+    the Pallas kernel (k2jax.ops.gmm)."""
     return dequantize_weight(w, dtype) if is_quantized(w) else w
 
 
