@@ -34,7 +34,7 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 RULES = (
     # activations: the batch over every axis attention does not use for heads (data-parallel attention)
     ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
+    ("length", ("data", "fsdp", "expert")),  # a lone row's tokens: split where the batch cannot be (sequence parallel)
     ("act_embed", None),
     # weights
     ("layers", None),  # the scanned layer axis: every device runs every layer
@@ -140,6 +140,16 @@ def local_size(name: str, dim: int) -> int:
     if not rules or not mesh.shape:
         return dim
     return dim // shard_count(logical_to_spec((name,), (dim,), dict(mesh.shape), rules)[0], dict(mesh.shape))
+
+
+def split_specs(names: tuple[str | None, ...], shape: tuple[int, ...]):
+    """The PartitionSpec `constrain` gives a tensor of these logical names and shape on the current mesh under
+    the logical-axis rules (for a shard_map's in_specs); None without a mesh or rules."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or not mesh.shape:
+        return None
+    return logical_to_spec(names, shape, dict(mesh.shape), rules)
 
 
 def format_bytes(n: float) -> str:

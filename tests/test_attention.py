@@ -67,3 +67,36 @@ def test_long_prefill_memory_is_linear():
     length = 8192
     _, _, grew_mib = prefill_memory(length, CONFIGS / "tiny.json", timeout=300)
     assert grew_mib < 256, f"peak memory grew by {grew_mib:.0f} MiB during an {length}-token prefill"
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=8", "data=2,expert=4"])
+@pytest.mark.parametrize("C", [0, 24])  # a first chunk; a later one over a cached prefix
+@pytest.mark.parametrize("T", [64, 512])  # absorbed per device (8 queries); blocked (64 queries per device)
+def test_a_lone_rows_tokens_split_over_the_mesh_equal_the_whole(mesh_spec, C, T):
+    """A lone row's chunk on a mesh (sequence parallel: the "length" rule splits its T tokens over the axes
+    the batch of 1 cannot use): each device gathers the new tokens' latents and attends its own queries
+    (attend_split_tokens). Against attend_with_prefix on one device: the queries of every device, its last
+    5 tokens padding (computed, not compared), the prefix partly invalid. And the split is taken: the
+    function is traced under shard_map, with an all-gather of the latents, not of expanded keys."""
+    from k2jax.ops.attention import attend_with_prefix
+    from k2jax.sharding import make_mesh, use_mesh
+
+    q_nope, q_pe, ckv, k_pe, w = _inputs(T, T, seed=1)
+    q_nope, q_pe, ckv, k_pe = q_nope[:1], q_pe[:1], ckv[:1], k_pe[:1]
+    valid = jnp.ones((1, T), bool).at[:, -5:].set(False)
+    ks = jax.random.split(jax.random.PRNGKey(2), 3)
+    prefix = None if C == 0 else (jax.random.normal(ks[0], (1, C, R)), jax.random.normal(ks[1], (1, C, P)),
+                                  jax.random.uniform(ks[2], (1, C)) > 0.2)
+    args = (q_nope, q_pe, ckv, k_pe, w, valid)
+    want = attend_with_prefix(*args, SCALE, jnp.float32, "auto", prefix)
+    fn = jax.jit(lambda *a: attend_with_prefix(*a, SCALE, jnp.float32, "auto", prefix))
+    with use_mesh(make_mesh(mesh_spec)):
+        got = fn(*args)
+        hlo = fn.lower(*args).as_text()
+    assert "all_gather" in hlo or "all-gather" in hlo
+    np.testing.assert_allclose(np.asarray(got)[:, :-5], np.asarray(want)[:, :-5], atol=2e-5, rtol=2e-5)
+    # not vacuous: another device's keys matter (the row's first half of new keys zeroed changes its end)
+    other = jax.jit(lambda *a: attend_with_prefix(*a, SCALE, jnp.float32, "auto", prefix))
+    with use_mesh(make_mesh(mesh_spec)):
+        changed = other(q_nope, q_pe, ckv.at[:, :T // 2].set(0.0), k_pe, w, valid)
+    assert np.abs(np.asarray(changed)[:, T // 2:-5] - np.asarray(want)[:, T // 2:-5]).max() > 1e-2

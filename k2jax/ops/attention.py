@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.ops.quant import materialize
+from k2jax.sharding import split_specs
 
 _NEG_INF = -1e30  # finite, so a row with nothing to attend to averages instead of giving NaN
 DEFAULT_BLOCK = 256  # measured on XLA:CPU at 512 tokens: 256 beats 128 and 512 (no causal skip)
@@ -62,6 +63,11 @@ def attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv
     """`attend` over a cached prefix and the T new tokens: the prefix (ckv [B, S, R], k_pe [B, S, P], valid
     [B, S], in any dtype; k2jax.ops.paged.PagedCache.read) first, then the new tokens' own latents (ckv [B, T,
     R], k_pe [B, T, P], kv_valid [B, T]), all in `dtype`. prefix None: the new tokens alone. -> [B, T, N, V]."""
+    B, T = ckv_BTR.shape[:2]
+    spec = split_specs(("batch", "length", None, None), q_nope_BTNK.shape)
+    if impl == "auto" and spec is not None and spec[1] is not None and T > 1:
+        return attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
+                                   dtype, spec, prefix)
     ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
     if prefix is not None:
         c_ckv_BSR, c_k_pe_BSP, c_valid_BS = prefix
@@ -235,3 +241,53 @@ def _unrolled_blocks(q_BNTH, k_BNSH, v_BNSV, kv_valid_BS, block, C):
         p_BNcS = jax.nn.softmax(s_BNcS, axis=-1).astype(dt)
         outs.append(jnp.einsum("BNTS,BNSV->BNTV", p_BNcS, v_BNSV[:, :, :C + end], preferred_element_type=f32))
     return jnp.concatenate(outs, 2).astype(dt).transpose(0, 2, 1, 3)
+
+
+def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, dtype,
+                        spec, prefix=None):
+    """attend_with_prefix for T new tokens split over mesh axes (sequence parallel: a lone row's prompt
+    chunk, whose rows cannot fill the batch axes; k2jax.sharding's "length" rule). spec: the PartitionSpec of
+    q_nope [B, T, N, K] (batch, length, then heads whole).
+
+    Under shard_map each device holds its t = T / n new tokens. It gathers every new token's latent (ckv and
+    k_pe: R + P values per token, not the N heads' expanded keys and values) and attends its own t queries
+    over the prefix (whole on every device) and the new keys: its own block of keys is rolled to the end,
+    so that attend_blocked sees the keys before it as a prefix and its own causally, and the keys after it
+    are masked out. Projections and norms stay on each device's own tokens (the caller's activations are
+    split the same way). Equals attend_with_prefix on the whole arrays."""
+    from jax.sharding import PartitionSpec as P
+
+    b_ax, t_ax = spec[0], spec[1]
+    t_axes = (t_ax,) if isinstance(t_ax, str) else tuple(t_ax)
+    mesh = jax.sharding.get_abstract_mesh()
+    B, T = ckv_BTR.shape[:2]
+    n = 1
+    for a in t_axes:
+        n *= mesh.shape[a]
+    t = T // n
+    w = materialize(w_kv_b_RNX, dtype)
+    if prefix is None:
+        prefix = (jnp.zeros((B, 0, ckv_BTR.shape[-1]), dtype), jnp.zeros((B, 0, k_pe_BTP.shape[-1]), dtype),
+                  jnp.zeros((B, 0), bool))
+    c_ckv_BCR, c_k_pe_BCP, c_valid_BC = prefix
+    C = c_ckv_BCR.shape[1]
+
+    def local(q_nope, q_pe, ckv, k_pe, valid, c_ckv, c_k_pe, c_valid, w):
+        d = 0
+        for a in t_axes:  # this device's block of the new tokens, row-major over the axes (as NamedSharding)
+            d = d * mesh.shape[a] + jax.lax.axis_index(a)
+        whole = [jax.lax.all_gather(x, t_axes, axis=1, tiled=True) for x in (ckv, k_pe, valid)]
+        keys = [jnp.concatenate([c.astype(x.dtype), x], 1) for c, x in zip((c_ckv, c_k_pe, c_valid), whole)]
+        end = C + (d + 1) * t  # keys past this device's own block are not seen by any of its queries
+        keys[2] = keys[2].astype(bool) & (jnp.arange(C + T) < end)[None, :]
+        keys = [jnp.roll(x, C + T - end, axis=1) for x in keys]  # its own block last: the causal part
+        return attend(q_nope, q_pe, keys[0].astype(dtype), keys[1].astype(dtype), w, keys[2], scale)
+
+    new, whole_prefix = P(b_ax, t_ax, None), P(b_ax, None, None)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(P(b_ax, t_ax, None, None), P(b_ax, t_ax, None, None), new, new, P(b_ax, t_ax),
+                  whole_prefix, whole_prefix, P(b_ax, None), P()),
+        out_specs=P(b_ax, t_ax, None, None), check_vma=False,
+    )(q_nope_BTNK, q_pe_BTNP, ckv_BTR.astype(dtype), k_pe_BTP.astype(dtype), kv_valid_BT.astype(bool),
+      c_ckv_BCR, c_k_pe_BCP, c_valid_BC.astype(bool), w)
