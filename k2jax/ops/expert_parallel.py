@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k2jax.ops.moe import _ragged_swiglu, grouped_moe
+from k2jax.ops.moe import _ragged_swiglu, grouped_moe, layer_from_stacks
 from k2jax.ops.quant import QuantizedWeight, compute_dtype, dequantize_shard, is_quantized, scale_partition
 from k2jax.sharding import dividing_axes, logical_to_spec
 
@@ -100,26 +100,14 @@ def _weight_specs(ws, e_ax, f_ax, mesh, stacked: bool = False) -> tuple:
 
 def _from_stacks(kw, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
     """moe_expert_parallel of layer `layer` read out of the stacks; differentiated (the forward included) as
-    moe_expert_parallel of layer_w, that layer's own arrays."""
-
-    @jax.custom_vjp
-    def run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+    moe_expert_parallel of layer_w, that layer's own arrays (k2jax.ops.moe.layer_from_stacks)."""
+    def stacked(x_TD, idx_TK, weight_TK, stacks, layer):
         return _expert_parallel(x_TD, idx_TK, weight_TK, *stacks, layer=layer, **kw)
 
-    def fwd(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
-        frozen = is_quantized(layer_w[0])  # quantized experts are frozen: no derivative for them
+    def plain(x_TD, idx_TK, weight_TK, *w):
+        return _expert_parallel(x_TD, idx_TK, weight_TK, *w, **kw)
 
-        def fn(x_TD, weight_TK, *w):
-            return _expert_parallel(x_TD, idx_TK, weight_TK, *(layer_w if frozen else w), **kw)
-
-        return jax.vjp(fn, x_TD, weight_TK, *(() if frozen else layer_w))
-
-    def bwd(vjp, dy_TD):
-        dx_TD, dweight_TK, *dw = vjp(dy_TD)
-        return dx_TD, None, dweight_TK, tuple(dw) if dw else None, None, None
-
-    run.defvjp(fwd, bwd)
-    return run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer)
+    return layer_from_stacks(stacked, plain, x_TD, idx_TK, weight_TK, layer_w, stacks, layer)
 
 
 def _weight_axes(shape, mesh):

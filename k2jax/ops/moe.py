@@ -24,7 +24,6 @@ and dense paths dequantize the layer's stack they read.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -81,33 +80,49 @@ def moe_grouped(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, impl="ti
     return _combine(y_MD.reshape(T, K, -1), weight_TK).astype(x_TD.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _from_stacks(tile, capacity, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
     """grouped_moe of layer `layer` read out of the stacks; differentiated (the forward included) as
     grouped_moe of layer_w, that layer's own arrays. See moe_grouped."""
     E = layer_w[0].shape[0]
-    run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
-    if isinstance(stacks[0], (tuple, list)):  # each layer's own arrays: a switch reads them in place
-        branches = [lambda x_TD, ws=ws: run(x_TD, ws) for ws in zip(*stacks)]
-        return jax.lax.switch(layer, branches, x_TD)
-    return run(x_TD, stacks, layer=layer)
+
+    def stacked(x_TD, idx_TK, weight_TK, stacks, layer):
+        run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
+        if isinstance(stacks[0], (tuple, list)):  # each layer's own arrays: a switch reads them in place
+            branches = [lambda x_TD, ws=ws: run(x_TD, ws) for ws in zip(*stacks)]
+            return jax.lax.switch(layer, branches, x_TD)
+        return run(x_TD, stacks, layer=layer)
+
+    def plain(x_TD, idx_TK, weight_TK, *w):
+        return grouped_moe(x_TD, idx_TK, weight_TK, *w, tile=tile, capacity=capacity)
+
+    return layer_from_stacks(stacked, plain, x_TD, idx_TK, weight_TK, layer_w, stacks, layer)
 
 
-def _from_stacks_fwd(tile, capacity, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
-    frozen = is_quantized(layer_w[0])  # quantized experts are frozen: no derivative for them
+def layer_from_stacks(stacked, plain, x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+    """One layer's routed experts computed out of every layer's stacks, stacked(x, idx, weight, stacks,
+    layer), and differentiated, the forward included, as plain(x, idx, weight, *layer_w) of that layer's
+    own arrays (gate, up, down): no derivative goes to the stacks (a scan adds its per-layer gradients up
+    best through its slices), nor to quantized experts (frozen). The CPU grouped path and the TPU
+    expert-parallel one both read the stacks this way."""
 
-    def fn(x_TD, weight_TK, *w):
-        return grouped_moe(x_TD, idx_TK, weight_TK, *(layer_w if frozen else w), tile=tile, capacity=capacity)
+    @jax.custom_vjp
+    def run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+        return stacked(x_TD, idx_TK, weight_TK, stacks, layer)
 
-    return jax.vjp(fn, x_TD, weight_TK, *(() if frozen else layer_w))
+    def fwd(x_TD, idx_TK, weight_TK, layer_w, stacks, layer):
+        frozen = is_quantized(layer_w[0])
 
+        def fn(x_TD, weight_TK, *w):
+            return plain(x_TD, idx_TK, weight_TK, *(layer_w if frozen else w))
 
-def _from_stacks_bwd(tile, capacity, vjp, dy_TD):
-    dx_TD, dweight_TK, *dw = vjp(dy_TD)
-    return dx_TD, None, dweight_TK, tuple(dw) if dw else None, None, None
+        return jax.vjp(fn, x_TD, weight_TK, *(() if frozen else layer_w))
 
+    def bwd(vjp, dy_TD):
+        dx_TD, dweight_TK, *dw = vjp(dy_TD)
+        return dx_TD, None, dweight_TK, tuple(dw) if dw else None, None, None
 
-_from_stacks.defvjp(_from_stacks_fwd, _from_stacks_bwd)
+    run.defvjp(fwd, bwd)
+    return run(x_TD, idx_TK, weight_TK, layer_w, stacks, layer)
 
 
 def _combine(y_TKD, weight_TK):
