@@ -8,6 +8,8 @@
 - `attend_absorbed` (decode): W_UK folded into the query and W_UV into the output (K2_REFERENCE.md §3), so a
   step reads the latent cache once and never expands it per head.
 - `attend`: picks one of them from the shapes (the model calls it; no mode strings).
+- `attend_split_tokens`: a lone row's chunk with its tokens split over the mesh (sequence parallel), each
+  device attending its own queries over the gathered latents; `attend_with_prefix` takes it under a mesh.
 
 Letters as in k2jax.nn.mla: B batch, T queries, S keys, N heads, K nope head dim, P rope head dim,
 R kv_lora_rank, V value head dim, X = K + V. All return the per-head outputs [B, T, N, V] in the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k2jax.ops.quant import materialize
 from k2jax.sharding import split_specs
@@ -63,9 +66,8 @@ def attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv
     """`attend` over a cached prefix and the T new tokens: the prefix (ckv [B, S, R], k_pe [B, S, P], valid
     [B, S], in any dtype; k2jax.ops.paged.PagedCache.read) first, then the new tokens' own latents (ckv [B, T,
     R], k_pe [B, T, P], kv_valid [B, T]), all in `dtype`. prefix None: the new tokens alone. -> [B, T, N, V]."""
-    B, T = ckv_BTR.shape[:2]
     spec = split_specs(("batch", "length", None, None), q_nope_BTNK.shape)
-    if impl == "auto" and spec is not None and spec[1] is not None and T > 1:
+    if impl == "auto" and spec is not None and spec[1] is not None and ckv_BTR.shape[1] > 1:
         return attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
                                    dtype, spec, prefix)
     ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
@@ -252,11 +254,9 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
     Under shard_map each device holds its t = T / n new tokens. It gathers every new token's latent (ckv and
     k_pe: R + P values per token, not the N heads' expanded keys and values) and attends its own t queries
     over the prefix (whole on every device) and the new keys: its own block of keys is rolled to the end,
-    so that attend_blocked sees the keys before it as a prefix and its own causally, and the keys after it
-    are masked out. Projections and norms stay on each device's own tokens (the caller's activations are
+    so that `attend` sees the keys before it as a prefix and its own causally, and the keys after it are
+    masked out. Projections and norms stay on each device's own tokens (the caller's activations are
     split the same way). Equals attend_with_prefix on the whole arrays."""
-    from jax.sharding import PartitionSpec as P
-
     b_ax, t_ax = spec[0], spec[1]
     t_axes = (t_ax,) if isinstance(t_ax, str) else tuple(t_ax)
     mesh = jax.sharding.get_abstract_mesh()
