@@ -96,12 +96,17 @@ def test_sharded_logits_equal_one_device(model_and_params, spec):
     np.testing.assert_allclose(logits, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("spec, mode, capacity", [("expert=4,tensor=2", "gather", 1.25),
-                                                   ("data=2,expert=2,tensor=2", "all_to_all", 1.25),
-                                                   ("expert=4,tensor=2", "all_to_all", 0.2)])
-def test_exchanges_equal_dense(spec, mode, capacity):
+@pytest.mark.parametrize("spec, mode, capacity, combine_rows", [("expert=4,tensor=2", "gather", 1.25, 256),
+                                                                 ("data=2,expert=2,tensor=2", "all_to_all", 1.25, 256),
+                                                                 ("expert=4,tensor=2", "all_to_all", 0.2, 256),
+                                                                 ("expert=4,tensor=2", "all_to_all", 0.2, 0)])
+def test_exchanges_equal_dense(spec, mode, capacity, combine_rows, monkeypatch):
     """Both exchanges, with 50 tokens (padded to the token groups), one expert taking every token and half
-    the experts idle; capacity 0.2 forces several all-to-all rounds."""
+    the experts idle; capacity 0.2 forces several all-to-all rounds. combine_rows 0: the rows that come back
+    are scatter-added onto their tokens (a prompt's many rows) rather than summed by one 0/1 matmul."""
+    import k2jax.ops.expert_parallel as ep
+
+    monkeypatch.setattr(ep, "COMBINE_MATMUL_ROWS", combine_rows)
     T, E, K, D, F = 50, 16, 4, 24, 20
     key = jax.random.PRNGKey(5)
     w = experts(key, E, D, F)

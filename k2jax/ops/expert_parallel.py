@@ -1,8 +1,8 @@
 """Expert-parallel routed experts under shard_map: tokens travel to the devices holding their experts.
 
 Letters: T tokens (global), t tokens on one device, D model, K top-k, E experts, e experts on one device,
-F expert hidden (f on one device, `tensor`-sharded), n devices on the `expert` axis, c rows per destination
-per round, R received rows, M (row, expert) slots.
+F expert hidden (f on one device, `tensor`-sharded), n devices on the `expert` axis, c pairs per destination
+per round, R received rows, M (row, expert) slots, Q = t·K (token, expert) pairs.
 
 Experts the `expert` axis does not divide (6 on expert=4) are replicated, by the params' own fallback
 (k2jax.sharding): then nothing is exchanged and every device runs all experts on its own tokens; likewise an
@@ -12,11 +12,11 @@ Tokens are split over (data, fsdp, expert); every `tensor` rank of a group holds
 its slice f of each expert's hidden dim, so the partial down projections are summed over `tensor` at the end.
 Two exchanges, both dropless and exact (they equal k2jax.ops.moe.moe_grouped up to float summation order):
 
-- "all_to_all": each token goes once to each device holding at least one of its experts, with its expert ids
-  and router weights for that device; the device returns Σ_k w_k Expert_k(x) over its experts. XLA needs
-  static shapes (and `ragged_all_to_all` does not exist on XLA:CPU), so the exchange runs in rounds of
-  `c` rows per (source, destination) pair: one round when routing is balanced, more (all devices agree via
-  pmax) when one device is hot. The worst case, everything to one device, takes ceil(t / c) rounds.
+- "all_to_all": each (token, expert) pair goes to the device holding the expert, with its router weight;
+  the device returns w · Expert(x) for each pair, summed onto the token at home. XLA needs static shapes
+  (and `ragged_all_to_all` does not exist on XLA:CPU), so the exchange runs in rounds of `c` pairs per
+  (source, destination): one round when routing is balanced, more (all devices agree via pmax) when one
+  device is hot. The worst case, everything to one device, takes ceil(t·min(K, e) / c) rounds.
   (A backend's ragged_all_to_all could send only the rows that exist in one round; not used yet.)
 - "gather": all-gather the group's tokens, each device computes its own experts' share for all of them, and a
   reduce-scatter (psum_scatter) sums the shares back onto the tokens' devices. Sends (n-1)·t rows each way,
@@ -55,8 +55,8 @@ def moe_expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, 
     'expert', F on 'tensor'). x [T, D], idx/weight [T, K] (router output, global expert ids) -> [T, D].
 
     mode: one of EP_MODES (see the module docstring). impl: "tiled" (XLA:CPU), "ragged" (ragged_dot) or "gmm"
-    (ragged, quantized experts through k2jax.ops.gmm's kernel) for the
-    local grouped matmul. capacity_factor: rows per round per destination = cap · t·K/n (at most t).
+    (ragged, quantized experts through k2jax.ops.gmm's kernel) for the local grouped matmul.
+    capacity_factor: (token, expert) pairs per round per destination = cap · t·K/n (at most t).
 
     The expert stacks may be QuantizedWeight: each device gets its experts' values and the scales of their
     blocks (k2jax.ops.quant.scale_partition); where a shard of F does not hold whole blocks (tiny dims), the
@@ -134,6 +134,10 @@ def _expert_parallel(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, mes
     c = max(1, min(t, math.ceil(capacity_factor * t * K / n)))
     if mode == "auto":
         mode = "gather" if c == t else "all_to_all"
+    if _platform(mesh) == "tpu" and -(-c // 8) * 8 < t:
+        # Whole tiles of 8 rows: a round's [n, c, D] rows then reshape to [n·c, D] in place. Otherwise XLA:TPU
+        # lays every round's rows out again, in each dtype they take (c = 20 on Kimi K2's lone prompt).
+        c = -(-c // 8) * 8
     x_TD = x_TD.astype(compute_dtype(gate_EDF, x_TD))
     if impl == "gmm":  # the kernel is compiled for the mesh's chips; elsewhere the plain form (see local_experts)
         impl = "gmm:tpu" if _platform(mesh) == "tpu" else "gmm:plain"
@@ -190,40 +194,56 @@ def _gather_exchange(x_tD, idx_tK, w_tK, ex, e_ax, impl, tile, layer=None):
 
 
 def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, tile, layer=None):
+    """Each (token, expert) pair travels as a row of its own, so a received row has exactly one local expert
+    and a round's grouped matmul has n·c slots. (A row per (token, device) would carry up to min(K, e) of
+    them: n·c·min(K, e) static slots, of which about 1.1 per row are real at K=8, e=6, so Kimi K2's lone
+    8192-token prompt on 64 chips ran 7,680 slots a round for about 1,100.) A token with several experts on
+    one device is sent once per expert (about 9% more rows there, in expectation)."""
     t, D = x_tD.shape
+    K = idx_tK.shape[-1]
     e = ex[0].shape[-3]
     if e_ax is None:
         return local_experts(x_tD, idx_tK, w_tK, *ex, impl=impl, tile=tile, layer=layer)
-    dest_tK = idx_tK // e
-    lid_tNK = jnp.where(dest_tK[:, None, :] == jnp.arange(n)[None, :, None],
-                        idx_tK[:, None, :] - jnp.arange(n)[None, :, None] * e, e)
-    hit_tN = (lid_tNK < e).any(-1)
-    # tok_NS[d, s] = the s-th of my tokens bound for device d (t = none), laid out in rounds of c.
-    rounds_max = -(-t // c)
-    rank_tN = jnp.where(hit_tN, jnp.cumsum(hit_tN, axis=0) - 1, rounds_max * c)
-    tok_NS = jnp.full((n, rounds_max * c), t, jnp.int32).at[jnp.arange(n)[None, :], rank_tN].set(
-        jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, n)), mode="drop")
-    rounds = -(-hit_tN.sum(0).max() // c)
+    dest_Q = (idx_tK // e).reshape(-1)  # Q = t·K pairs, token-major
+    hit_QN = dest_Q[:, None] == jnp.arange(n)[None, :]
+    # pair_NS[d, s] = the s-th of my pairs bound for device d (t·K = none), laid out in rounds of c.
+    rounds_max = -(-t * min(K, e) // c)  # a token's pairs for one device: at most min(K, e)
+    rank_QN = jnp.where(hit_QN, jnp.cumsum(hit_QN, axis=0) - 1, rounds_max * c)
+    pair_NS = jnp.full((n, rounds_max * c), t * K, jnp.int32).at[jnp.arange(n)[None, :], rank_QN].set(
+        jnp.broadcast_to(jnp.arange(t * K, dtype=jnp.int32)[:, None], (t * K, n)), mode="drop")
+    rounds = -(-hit_QN.sum(0).max() // c)
     rounds = jax.lax.pmax(rounds, tok_axes)  # every device runs the same rounds (the collectives must pair)
-    x_pD = jnp.concatenate([x_tD, jnp.zeros((1, D), x_tD.dtype)])
-    lid_pNK = jnp.concatenate([lid_tNK, jnp.full((1, n, lid_tNK.shape[-1]), e, lid_tNK.dtype)])
-    w_pK = jnp.concatenate([w_tK, jnp.zeros((1, w_tK.shape[-1]), w_tK.dtype)])
+    x_pD = jnp.concatenate([x_tD, jnp.zeros((1, D), x_tD.dtype)])  # row t: the padding pair's token
+    lid_pQ = jnp.concatenate([(idx_tK % e).reshape(-1), jnp.full((1,), e, idx_tK.dtype)])
+    w_pQ = jnp.concatenate([w_tK.reshape(-1), jnp.zeros((1,), w_tK.dtype)])
 
     def one_round(acc_tD, r):
-        sel_NC = jax.lax.dynamic_slice_in_dim(tok_NS, r * c, c, axis=1)
-        send = (x_pD[sel_NC], lid_pNK[sel_NC, jnp.arange(n)[:, None]], w_pK[sel_NC])
-        x_NCD, lid_NCK, w_NCK = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in send)
-        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NCK.reshape(n * c, -1), w_NCK.reshape(n * c, -1),
+        sel_NC = jax.lax.dynamic_slice_in_dim(pair_NS, r * c, c, axis=1)
+        tok_NC = sel_NC // K  # the padding pair t·K -> row t
+        send = (x_pD[tok_NC], lid_pQ[sel_NC], w_pQ[sel_NC])
+        x_NCD, lid_NC, w_NC = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in send)
+        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NC.reshape(n * c, 1), w_NC.reshape(n * c, 1),
                              *ex, impl=impl, tile=tile, layer=layer)
-        # Back in the activation dtype (half the bytes in bf16); the sum over source devices is float32.
+        # Back in the activation dtype (half the bytes in bf16); the sum over a token's pairs is float32.
         y_NCD = jax.lax.all_to_all(y_RD.astype(x_tD.dtype).reshape(n, c, D), e_ax, 0, 0, tiled=True)
-        return acc_tD.at[sel_NC].add(y_NCD.astype(jnp.float32), mode="drop")
+        if t <= COMBINE_MATMUL_ROWS:  # one matmul with a 0/1 [t, n·c] matrix (exact) reads the rows once
+            hit_tR = (tok_NC.reshape(1, -1) == jnp.arange(t)[:, None]).astype(y_NCD.dtype)
+            return acc_tD + jnp.dot(hit_tR, y_NCD.reshape(n * c, D), precision=jax.lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32)
+        return acc_tD.at[tok_NC].add(y_NCD.astype(jnp.float32), mode="drop")
 
-    def step(acc_tD, r):
+    acc_tD = _zeros((t, D), jnp.float32, x_tD, *ex)
+    if layer is not None:
+        # The stacks' path is never differentiated (layer_from_stacks), so its rounds are a while loop that
+        # runs only the rounds needed: a compile's count then takes one round, the balanced case, and names
+        # the loop's trip count as known only at run time (k2jax.aot.hlo).
+        return jax.lax.while_loop(lambda rs: rs[1] < rounds, lambda rs: (one_round(*rs), rs[1] + 1),
+                                  (acc_tD, jnp.int32(0)))[0]
+
+    def step(acc_tD, r):  # differentiable: a scan of every possible round, those not needed skipped
         return jax.lax.cond(r < rounds, one_round, lambda a, _: a, acc_tD, r), None
 
-    acc_tD, _ = jax.lax.scan(step, _zeros((t, D), jnp.float32, x_tD, *ex), jnp.arange(rounds_max))
-    return acc_tD
+    return jax.lax.scan(step, acc_tD, jnp.arange(rounds_max))[0]
 
 
 def local_experts(x_RD, lid_RK, w_RK, gate_eDF, up_eDF, down_eFD, *, impl="tiled", tile=64, layer=None):
