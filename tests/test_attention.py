@@ -100,3 +100,33 @@ def test_a_lone_rows_tokens_split_over_the_mesh_equal_the_whole(mesh_spec, C, T)
     with use_mesh(make_mesh(mesh_spec)):
         changed = other(q_nope, q_pe, ckv.at[:, :T // 2].set(0.0), k_pe, w, valid)
     assert np.abs(np.asarray(changed)[:, T // 2:-5] - np.asarray(want)[:, T // 2:-5]).max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("start", [0, 8, 13, 31])  # device 0 (nothing before it); a page edge; mid-page; last
+def test_own_block_on_the_paged_kernel_equals_attend(start, dtype):
+    """attend_split_tokens' TPU form (attend_own_block: the keys before a device's block read by the paged
+    kernel, in Pallas' interpreter here, its own block causally in XLA) against the plain expanded attention
+    over the keys up to the block's end. Row 0 has holes in its keys (a cached prefix's) and two padding
+    keys in the block, row 1 its first 10 keys invalid (all of them, for start 8)."""
+    from k2jax.ops.attention import attend, attend_own_block, causal_mask
+
+    t, S = 6, 37
+    q_nope, q_pe, ckv, k_pe, w = (x.astype(dtype) for x in _inputs(t, S, seed=3))
+    valid = jnp.ones((B, S), bool).at[0, 3:5].set(False).at[0, start + t - 2:start + t].set(False)
+    valid = valid.at[1, :10].set(False)
+    end = start + t
+    want = attend(q_nope, q_pe, ckv[:, :end], k_pe[:, :end], w, valid[:, :end], SCALE, impl="plain")
+    run = jax.jit(lambda *a: attend_own_block(*a, SCALE, jnp.int32(start), page=8, interpret=True))
+    got = run(q_nope, q_pe, ckv, k_pe, w, valid)
+    assert got.shape == (B, t, N, V) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 0.05
+    rows = np.asarray(causal_mask(valid[:, :end], t).any(-1))  # query rows that see a key (others unused)
+    assert rows.sum() >= t
+    np.testing.assert_allclose(np.asarray(got, np.float32)[rows], np.asarray(want, np.float32)[rows], atol=tol,
+                               rtol=tol)
+    if start:  # not vacuous: a valid key before the block counts, the keys past its end do not
+        moved = run(q_nope, q_pe, ckv.at[0, 0].add(3.0), k_pe, w, valid)
+        assert np.abs(np.asarray(moved, np.float32) - np.asarray(got, np.float32))[0].max() > 1e-2
+    later = run(q_nope, q_pe, ckv.at[:, end:].add(3.0), k_pe, w, valid)
+    np.testing.assert_array_equal(np.asarray(later), np.asarray(got))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
 from k2jax.sharding import split_specs
 
@@ -280,8 +281,19 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
         keys = [jnp.concatenate([c.astype(x.dtype), x], 1) for c, x in zip((c_ckv, c_k_pe, c_valid), whole)]
         end = C + (d + 1) * t  # keys past this device's own block are not seen by any of its queries
         keys[2] = keys[2].astype(bool) & (jnp.arange(C + T) < end)[None, :]
-        keys = [jnp.roll(x, C + T - end, axis=1) for x in keys]  # its own block last: the causal part
-        return attend(q_nope, q_pe, keys[0].astype(dtype), keys[1].astype(dtype), w, keys[2], scale)
+        keys = [keys[0].astype(dtype), keys[1].astype(dtype), keys[2]]
+
+        def plain(q_nope, q_pe, ckv, k_pe, valid, w, start):
+            rolled = [jnp.roll(x, C + T - start - t, axis=1) for x in (ckv, k_pe, valid)]  # own block last
+            return attend(q_nope, q_pe, *rolled[:2], w, rolled[2], scale)
+
+        def kernel(q_nope, q_pe, ckv, k_pe, valid, w, start):
+            return attend_own_block(q_nope, q_pe, ckv, k_pe, w, valid, scale, start)
+
+        args = (q_nope, q_pe, *keys, w, end - t)
+        if not absorbed_is_cheaper(t, ckv.shape[-1], q_nope.shape[-1], w.shape[-1]):
+            return plain(*args)
+        return _evaluated_by(lambda *a: jax.lax.platform_dependent(*a, tpu=kernel, default=plain), plain, *args)
 
     new, whole_prefix = P(b_ax, t_ax, None), P(b_ax, None, None)
     return jax.shard_map(
@@ -291,3 +303,80 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
         out_specs=P(b_ax, t_ax, None, None), check_vma=False,
     )(q_nope_BTNK, q_pe_BTNP, ckv_BTR.astype(dtype), k_pe_BTP.astype(dtype), kv_valid_BT.astype(bool),
       c_ckv_BCR, c_k_pe_BCP, c_valid_BC.astype(bool), w)
+
+
+def _evaluated_by(fast, plain, *args):
+    """fast(*args) where the value alone is taken, and plain's value and derivatives under differentiation (a
+    Pallas kernel has no derivative rule; training takes the plain form)."""
+    @jax.custom_vjp
+    def run(*a):
+        return fast(*a)
+
+    def fwd(*a):
+        return jax.vjp(plain, *a)
+
+    def bwd(vjp, dy):
+        return vjp(dy)
+
+    run.defvjp(fwd, bwd)
+    return run(*args)
+
+
+# An invalid key's score is lowered by this much (a power of two: exact in bf16), so its softmax weight is 0.
+_MASK = float(2 ** 15)
+_LANES = 128
+
+
+def attend_own_block(q_nope_BtNK, q_pe_BtNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, scale, start,
+                     *, page: int = 512, interpret: bool = False):
+    """attend_split_tokens' attention on a TPU: a device's t new tokens, keys start .. start + t - 1 of the
+    S keys (in position order), each seeing the valid keys before `start` and its own block's causally.
+    Absorbed (decode's form: one latent key per token for all N·t query rows), so its [N·t, S] scores are
+    never written to HBM:
+
+    - the keys before `start` are read by the paged kernel (k2jax.ops.paged_mla), laid out as one row's pages
+      of `page` keys each, with the online softmax in VMEM. The kernel sees every key below its length, so an
+      invalid one (a hole in a cached prefix, padding) is masked by one more rope column: 1 in every query,
+      -_MASK in that key, 0 in a valid one;
+    - the own block is one [N·t, t] tile in XLA, and the two online-softmax states are merged.
+
+    q_nope [B, t, N, K], q_pe [B, t, N, P], ckv [B, S, R], k_pe [B, S, P] (the compute dtype), w_kv_b
+    [R, N, K + V], kv_valid [B, S] bool; start: a traced int -> [B, t, N, V]. Equals `attend` over the keys up
+    to start + t (tests/test_attention.py, the kernel in Pallas' interpreter)."""
+    B, t, N, K = q_nope_BtNK.shape
+    S, R = ckv_BSR.shape[1:]
+    P = q_pe_BtNP.shape[-1]
+    dt, f32 = ckv_BSR.dtype, jnp.float32
+    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
+    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+    q_lat_BtNR = (jnp.einsum("BTNK,RNK->BTNR", q_nope_BtNK, w_uk_RNK, preferred_element_type=f32)
+                  * scale).astype(dt)
+    q_pe_BtNP = (q_pe_BtNP.astype(f32) * scale).astype(dt)
+    Pa = -(-(P + 1) // _LANES) * _LANES  # the rope part and the mask column, to whole lanes
+    mask_col = jnp.zeros((Pa - P,), dt).at[0].set(1)
+    q_pe_a = jnp.concatenate([q_pe_BtNP, jnp.broadcast_to(mask_col, (B, t, N, Pa - P))], -1)
+    bias_BS1 = jnp.where(kv_valid_BS, 0.0, -_MASK).astype(dt)[..., None]
+    keys_BSC = jnp.concatenate([ckv_BSR, k_pe_BSP, bias_BS1, jnp.zeros((B, S, Pa - P - 1), dt)], -1)
+    W = -(-S // page)
+    pages_1AYC = jnp.pad(keys_BSC, [(0, 0), (0, W * page - S), (0, 0)]).reshape(1, B * W, page, R + Pa)
+    table_BW = jnp.arange(B * W, dtype=jnp.int32).reshape(B, W)
+    rows_B = jnp.arange(B, dtype=jnp.int32)
+    m1, l1, acc1 = paged_mla(q_lat_BtNR, q_pe_a, rows_B, jnp.ones((B,), bool), pages_1AYC, None, 0, table_BW,
+                             jnp.full((B,), start, jnp.int32), R, interpret=interpret)
+
+    def own(x):
+        return jax.lax.dynamic_slice_in_dim(x, start, t, axis=1)
+
+    ckv_BtR = own(ckv_BSR)
+    s_BtNt = (jnp.einsum("BTNR,BSR->BTNS", q_lat_BtNR, ckv_BtR, preferred_element_type=f32)
+              + jnp.einsum("BTNP,BSP->BTNS", q_pe_BtNP, own(k_pe_BSP), preferred_element_type=f32))
+    see_Bt1t = (own(kv_valid_BS)[:, None, :] & jnp.tri(t, dtype=bool)[None])[:, :, None, :]
+    s_BtNt = jnp.where(see_Bt1t, s_BtNt, _NEG_INF)
+    m2 = s_BtNt.max(-1)
+    p_BtNt = jnp.where(see_Bt1t, jnp.exp(s_BtNt - m2[..., None]), 0.0)
+    acc2 = jnp.einsum("BTNS,BSR->BTNR", p_BtNt.astype(dt), ckv_BtR, preferred_element_type=f32)
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    l = a1 * l1 + a2 * p_BtNt.sum(-1)
+    o_lat_BtNR = (a1[..., None] * acc1 + a2[..., None] * acc2) / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.einsum("BTNR,RNV->BTNV", o_lat_BtNR.astype(dt), w_uv_RNV, preferred_element_type=f32).astype(dt)

@@ -181,9 +181,9 @@ def paged_mla(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, lay
     out_shape = [jax.ShapeDtypeStruct((M, g * N, _LANES), f32), jax.ShapeDtypeStruct((M, g * N, _LANES), f32),
                  jax.ShapeDtypeStruct((M, g * N, R), f32)]
     page_bytes = Y * (Cp * pages_LAYC.dtype.itemsize + (8 if quantized else 0))
-    cost = pl.CostEstimate(  # the keys a full table would read; the kernel reads only the rows' own
-        flops=2 * M * g * N * W * Y * (R + P + R), transcendentals=M * g * N * W * Y,
-        bytes_accessed=int(M * W * page_bytes + q_lat.size * q_lat.dtype.itemsize * (R + P) // R
+    cost = pl.CostEstimate(  # the keys a full table would read (once per row tile); the kernel reads only
+        flops=2 * M * g * N * W * Y * (R + P + R), transcendentals=M * g * N * W * Y,  # the rows' own
+        bytes_accessed=int(M * tiles * W * page_bytes + q_lat.size * q_lat.dtype.itemsize * (R + P) // R
                            + M * g * N * (R + 2 * _LANES) * 4))
     m, l, acc = pl.pallas_call(
         functools.partial(_kernel, v=v, Y=Y, R=R, C=C, quantized=quantized, visits=visits),
