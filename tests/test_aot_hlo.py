@@ -321,3 +321,25 @@ def test_step_model_by_hand():
     assert m["tokens_per_second_per_chip"] == pytest.approx(1 / step)
     assert m["mfu"] == pytest.approx(64 * 2 * 32e9 / (step * 64 * peak))
     assert step_model(Result("x", r.shape, error="refused"), v5p, 64) is None
+
+
+PREFETCH = """HloModule m, entry_computation_layout={(bf16[64,128]{1,0})->bf16[64,128]{1,0}}
+
+ENTRY %main (w: bf16[64,128]) -> bf16[64,128] {
+  %w = bf16[64,128]{1,0} parameter(0)
+  %cs = (bf16[64,128]{1,0:S(1)}, bf16[64,128]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %cd = bf16[64,128]{1,0:S(1)} copy-done(%cs)
+  ROOT %n = bf16[64,128]{1,0} negate(%cd)
+}
+"""
+
+
+def test_traffic_counts_an_async_copy_once_read_and_once_written():
+    """XLA:TPU prefetches a weight with copy-start/copy-done, whose result tuple lists the destination and
+    the operand itself: the copy reads the weight and writes it once (not the operand a second time), and
+    the negate reads the copy and writes its own result."""
+    moved = hlo.traffic(hlo.parse(PREFETCH), top=5)
+    w = 64 * 128 * 2
+    by_op = {op: b for _, op, b, _ in moved.top}
+    assert by_op["copy-start"] == 2 * w + 4, moved.top  # + the u32 context
+    assert moved.bytes == 4 * w + 4

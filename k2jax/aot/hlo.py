@@ -544,6 +544,9 @@ def entry_parameter_numbers(module: Module) -> dict[str, int]:
 
 # Ops that move no bytes of their own: views, bookkeeping, and the calls whose bodies are counted instead.
 _NO_TRAFFIC = _NO_BUFFER | {"iota", "slice-done"}  # slice-done: its slice-start counts the slice
+# Async starts whose result tuple holds their operand beside what they write (XLA's own cost analysis counts
+# the operand and the tuple's index table, and the -done the destination: the same read and write).
+_ASYNC_COPIES = {"copy-start", "collective-permute-start", "all-gather-start"}
 # In a fusion, an operand read only through these reads just their results (the slice, the rows gathered).
 _SLICING = ("dynamic-slice", "slice", "gather")
 
@@ -708,7 +711,9 @@ def traffic(module: Module, top: int = 10) -> Traffic:
 
     Bytes: each op outside fusions reads its operands and writes its result, as XLA's cost analysis counts
     them per operand, except that an operand a fusion only slices or gathers counts the part read, and a
-    buffer updated in place (dynamic-update-slice) counts only the update written; views and bookkeeping
+    buffer updated in place (dynamic-update-slice) counts only the update written, an async copy (copy-start,
+    collective-permute-start) its operand read and its destination written, not the operand again that its
+    result tuple lists; views and bookkeeping
     (bitcast, tuple, get-tuple-element, parameters, constants) move nothing. Flops: every dot and ragged-dot,
     in fusions too, 2 x output x contracted elements (a ragged-dot as if every row met every group: it
     computes one group per row, so this is exact), and a Pallas kernel's own estimate where it gives one.
@@ -733,6 +738,11 @@ def traffic(module: Module, top: int = 10) -> Traffic:
                 read = written = _offload_bytes(inst, comp)
             elif inst.op == "custom-call" and _custom_bytes(inst) is not None:
                 read, written = _custom_bytes(inst), 0
+            elif inst.op in _ASYNC_COPIES:
+                # (destination, source, context...) or (source, destination, context...): one element is
+                # the operand itself, so the copy reads its operand and writes the destination once
+                read = sum(comp.instructions[o].nbytes for o in inst.operands if o in comp.instructions)
+                written = max(inst.nbytes - read, 0)
             elif inst.op == "dynamic-update-slice" and len(inst.operands) > 1:
                 upd = comp.instructions.get(inst.operands[1])
                 read = written = upd.nbytes if upd else inst.nbytes
