@@ -19,11 +19,13 @@ This module knows nothing of the model (k2jax.placement places its params): k2ja
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import math
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
 from k2jax.ops.spec import shard_count  # noqa: F401  (re-exported: how many pieces a spec entry cuts a dim into)
@@ -170,10 +172,74 @@ def _sig3(x: float) -> str:
 
 @contextlib.contextmanager
 def use_mesh(mesh: jax.sharding.Mesh):
-    """Run the model sharded on `mesh`: sets the mesh (activation constraints, the expert-parallel MoE) and
-    the logical-axis rules. Use around jit calls: `with use_mesh(mesh): logits = step(params, tokens)`."""
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-        yield mesh
+    """Run the model sharded on `mesh`: sets the mesh (activation constraints, the expert-parallel MoE), the
+    logical-axis rules, and the physical rings of its axes (see `rings`). Use around jit calls:
+    `with use_mesh(mesh): logits = step(params, tokens)`."""
+    token = _RINGS.set(axis_rings(mesh))
+    try:
+        with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+            yield mesh
+    finally:
+        _RINGS.reset(token)
+
+
+# The mesh axes' physical rings, as use_mesh found them: traced code sees only the abstract mesh.
+_RINGS: contextvars.ContextVar[dict[str, tuple[int, ...]]] = contextvars.ContextVar("k2jax_rings", default={})
+
+
+def axis_rings(mesh: jax.sharding.Mesh) -> dict[str, tuple[int, ...]]:
+    """{mesh axis: ring sizes, major first} for each axis of `mesh` that runs along more than one physical
+    axis of the slice: the axis's index is i0·(r1·r2) + i1·r2 + i2, and the devices of each ring (one index
+    varying, the others fixed) differ in one physical coordinate. expert=64 on v5p:4x4x4 -> (4, 4, 4).
+
+    From the devices' `coords` (TPU); an axis whose devices have none (CPU, GPU), that lies along one
+    physical axis, or whose order is not such a product is left out (one ring: the whole axis)."""
+    out = {}
+    for i, name in enumerate(mesh.axis_names):
+        n = mesh.devices.shape[i]
+        lines = np.moveaxis(mesh.devices, i, -1).reshape(-1, n)  # every line of devices along this axis
+        coords = [[getattr(d, "coords", None) for d in line] for line in lines]
+        if n < 4 or any(c is None for line in coords for c in line):
+            continue
+        c = np.asarray(coords)  # [lines, n, physical dims]
+        sizes, stride = [], 1
+        while stride < n:
+            moved = np.flatnonzero(c[0, stride] != c[0, 0])
+            if len(moved) != 1:
+                break
+            size = 1
+            while stride * size < n and np.array_equal(np.flatnonzero(c[0, stride * size] != c[0, 0]), moved):
+                size += 1
+            if (n // stride) % size:
+                break
+            sizes.append(size)
+            stride *= size
+        if stride != n or len(sizes) < 2 or not _rings_hold(c, sizes):
+            continue
+        out[name] = tuple(reversed(sizes))
+    return out
+
+
+def _rings_hold(c: np.ndarray, minor_first: list[int]) -> bool:
+    """Whether, on every line of `c` [lines, n, dims], each ring of these sizes (minor first) varies in one
+    physical coordinate."""
+    n, stride = c.shape[1], 1
+    for size in minor_first:
+        for base in range(n):
+            if (base // stride) % size:
+                continue
+            ring = c[:, base + stride * np.arange(size)]  # [lines, size, dims]
+            if ((ring != ring[:, :1]).any(axis=1).sum(axis=-1) > 1).any():
+                return False
+        stride *= size
+    return True
+
+
+def rings(axis: str, size: int) -> tuple[int, ...]:
+    """The physical ring sizes (major first) of mesh axis `axis` of `size` devices, under use_mesh; (size,)
+    when it has none (one ring)."""
+    found = _RINGS.get().get(axis)
+    return found if found and math.prod(found) == size else (size,)
 
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k2jax.ops.collectives import gather
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
 from k2jax.sharding import split_specs
@@ -277,7 +278,7 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
         d = 0
         for a in t_axes:  # this device's block of the new tokens, row-major over the axes (as NamedSharding)
             d = d * mesh.shape[a] + jax.lax.axis_index(a)
-        whole = [jax.lax.all_gather(x, t_axes, axis=1, tiled=True) for x in (ckv, k_pe, valid)]
+        whole = [gather(x, t_axes, axis=1) for x in (ckv, k_pe, valid)]
         keys = [jnp.concatenate([c.astype(x.dtype), x], 1) for c, x in zip((c_ckv, c_k_pe, c_valid), whole)]
         end = C + (d + 1) * t  # keys past this device's own block are not seen by any of its queries
         keys[2] = keys[2].astype(bool) & (jnp.arange(C + T) < end)[None, :]
