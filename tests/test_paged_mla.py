@@ -151,7 +151,7 @@ def test_compiles_for_tpus_and_reads_the_pool_in_place(topology, kv, M, g):
              and any(a.dims and a.dims[-1] == Rk + Pk + pad for a in i.shapes)]
     assert not paged, paged
     # What runs outside the kernel moves the queries and the state (re-laid, reshaped: copy-starts count
-    # thrice), and for an fp8 pool the rows' pages' scales, gathered (8 bytes a token; the async gather's
+    # twice), and for an fp8 pool the rows' pages' scales, gathered (8 bytes a token; the async gather's
     # operand counts whole) -- never a copy of the pool's scales to another layout.
     others = [t for t in hlo.traffic(module, top=10**6).top if t[1] != "custom-call"]
     assert not [t for t in others if t[1] == "copy" and t[2] >= Lk * Ak * Yk * 8], others[:3]

@@ -50,13 +50,15 @@ class Blocks:
     """Query rows per grid step (rows: a multiple of the heads, at most this), cached keys read per visit
     (keys: whole pages, at least one), and the scoped VMEM the kernel may use (bytes)."""
 
-    rows: int = 1024
+    rows: int = 2048
     keys: int = 512
     vmem: int = 48 << 20
 
 
 # Per TPU generation (k2jax.aot.topology's chip names). Checked against VMEM by compiling Kimi K2's shapes for
-# v5p and v6e (tests/test_paged_mla.py): a 1024-row tile's float32 accumulator is 2 MiB, its scores 2 MiB.
+# v5p and v6e (tests/test_paged_mla.py): a 2048-row tile's float32 accumulator is 4 MiB, its scores 4 MiB,
+# and its outputs are double-buffered. Every row tile reads the keys again: a lone 8192-token prompt split
+# over 64 chips has 128 tokens x 64 heads = 8192 query rows a chip, 4 tiles (8 at 1024 rows).
 BLOCKS = {"v5p": Blocks(), "v6e": Blocks(), "v5e": Blocks(rows=512, vmem=32 << 20), "v7x": Blocks()}
 
 
