@@ -59,13 +59,23 @@ def test_gather_by_rings_equals_one_all_gather(spec, rings, axes, monkeypatch):
     assert sorted(len(eval(g)[0]) for g in found) == sorted(stages)
 
 
-def test_shared_mlp_on_split_tokens_takes_its_weights_gathered_by_rings(monkeypatch):
-    """A lone row's 64 tokens split over 8 devices, F = 16 (3·F < 2·T): the MLP gathers its weights ring by
-    ring. Its output and gradients equal one device's."""
+@pytest.mark.parametrize("F, rings, groups", [(128, (2, 4), 4),   # tokens gathered in rings of 4
+                                               (16, (2, 4), 1),    # the weights gathered whole
+                                               (512, (2, 4), 8),   # the tokens gathered over every device
+                                               (128, None, 8),     # no rings known: the tokens ...
+                                               (16, None, 1)])     # ... or the weights, whole
+def test_mlp_on_split_tokens_shares_the_work_in_groups_along_rings(F, rings, groups, monkeypatch):
+    """A lone row's 64 tokens split over 8 devices (t = 8), the MLP's hidden width too: groups of k devices
+    gather their tokens, each member the weights of F/k columns, and reduce-scatter the partial outputs
+    (k2jax.ops.split_mlp; k from 3F/k + 2kt). Output and gradients equal one device's."""
     from k2jax.nn.mlp import MLP
+    from k2jax.ops.split_mlp import group_rings
 
-    monkeypatch.setattr(sharding, "axis_rings", lambda mesh: {"expert": (2, 4)})
-    D, F, T = 32, 16, 64
+    monkeypatch.setattr(sharding, "axis_rings", lambda mesh: {} if rings is None else {"expert": rings})
+    D, T = 32, 64
+    sizes = rings or (8,)
+    j = group_rings(F, T // 8, 8, sizes)
+    assert int(np.prod(list(reversed(sizes))[:j])) == groups
     mlp = MLP(F, jnp.float32)
     x = jax.random.normal(jax.random.PRNGKey(0), (1, T, D))
     params = mlp.init(jax.random.PRNGKey(1), x)["params"]
@@ -84,9 +94,13 @@ def test_shared_mlp_on_split_tokens_takes_its_weights_gathered_by_rings(monkeypa
                               ("down_proj", ("mlp", "embed")))}
         placed = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh, specs[k])) for k, v in params.items()}
         got_grads, got = step(placed, x)
-        text = step.lower(placed, x).as_text()
+        text = jax.jit(loss).lower(placed, x).as_text()  # the forward alone
     assert sharding.shard_count(specs["gate_proj"][1], dict(mesh.shape)) == 8  # split where the tokens are
-    assert len(re.findall(r"all_gather.*?replica_groups = dense<\[\[", text)) >= 6  # 3 weights x 2 rings
+    scattered = re.findall(r"reduce_scatter.*?replica_groups = dense<(\[\[[^>]*\]\])>", text)
+    if groups > 1:  # the partial outputs summed within groups of k
+        assert scattered and len(eval(scattered[0])[0]) == groups, scattered
+    else:
+        assert not scattered
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

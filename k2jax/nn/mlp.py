@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 
 from k2jax.nn.common import param
-from k2jax.ops.collectives import replicated
 from k2jax.ops.matmul import einsum
 from k2jax.ops.quant import is_quantized
+from k2jax.ops.split_mlp import swiglu_split_tokens
 from k2jax.sharding import split_specs
 
 
@@ -26,19 +26,30 @@ class MLP(nn.Module):
         up_DF = param(self, "up_proj", (D, F), ("embed", "mlp"), self.param_dtype)
         down_FD = param(self, "down_proj", (F, D), ("mlp", "embed"), self.param_dtype)
         dt = self.param_dtype
-        if _gathers_weights(x_BTD.shape, F) and not any(map(is_quantized, (gate_DF, up_DF, down_FD))):
-            gate_DF, up_DF = (replicated(w, split_specs(("embed", "mlp"), w.shape)) for w in (gate_DF, up_DF))
-            down_FD = replicated(down_FD, split_specs(("mlp", "embed"), down_FD.shape))
+        axis = _split_axis(x_BTD, gate_DF)
+        if axis is not None and not any(map(is_quantized, (gate_DF, up_DF, down_FD))):
+            return swiglu_split_tokens(x_BTD, gate_DF, up_DF, down_FD, axis, dt)
         h_BTF = (jax.nn.silu(einsum("...D,DF->...F", x_BTD, gate_DF, dtype=dt))
                  * einsum("...D,DF->...F", x_BTD, up_DF, dtype=dt))
         return einsum("...F,FD->...D", h_BTF, down_FD, dtype=dt)
 
 
-def _gathers_weights(shape_BTD, F: int) -> bool:
-    """Whether a lone row's tokens, split over chips (sequence parallel), take the weights whole: each chip
-    then receives 3·D·F values once, where the other way round (the tokens gathered, F split, the outputs
-    reduce-scattered) moves 2·T·D. Yes for K2's shared experts on an 8192-token chunk (F = 2048); no for
-    its dense MLP (F = 18432), which the compiler lays out itself. Gathered by k2jax.ops.collectives, one
-    physical ring at a time, rather than as the compiler's all-reduce of a zero-filled buffer."""
-    spec = split_specs(("batch", "length", "act_embed"), tuple(shape_BTD))
-    return spec is not None and len(shape_BTD) == 3 and spec[1] is not None and 3 * F < 2 * shape_BTD[1]
+def _split_axis(x_BTD, gate_DF) -> str | None:
+    """The mesh axis along which both a lone row's tokens (sequence parallel) and the weights' hidden width
+    are split, when it is one and nothing else is: then k2jax.ops.split_mlp lays the product out itself
+    (along the slice's rings, rather than the compiler's one all-gather of the weights or of the tokens)."""
+    if x_BTD.ndim != 3:
+        return None
+    x_spec = split_specs(("batch", "length", "act_embed"), x_BTD.shape)
+    w_spec = split_specs(("embed", "mlp"), gate_DF.shape)
+    if x_spec is None or w_spec is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+
+    def axes(entry):
+        return tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if mesh.shape[a] > 1)
+
+    t, f = axes(x_spec[1]), axes(w_spec[1])
+    if len(t) != 1 or t != f or axes(x_spec[0]) or axes(x_spec[2]) or axes(w_spec[0]):
+        return None
+    return t[0]

@@ -10,8 +10,9 @@ GPU, an axis along one physical axis) `gather` is the one all-gather.
 
 from __future__ import annotations
 
+import math
+
 import jax
-from jax.sharding import PartitionSpec as P
 
 from k2jax.sharding import rings
 
@@ -24,32 +25,46 @@ def gather(x, axes, axis: int):
     axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
     if not axes:
         return x
-    steps = []
-    for a in reversed(axes):
-        n, stride = mesh.shape[a], 1
-        for size in reversed(rings(a, n)):
-            if size > 1:
-                steps.append((a, n, stride, size))
-            stride *= size
+    steps = [step for a in reversed(axes) for step in ring_steps(a, mesh.shape[a])]
     if len(steps) <= 1:
         return jax.lax.all_gather(x, axes, axis=axis, tiled=True)
+    return gather_steps(x, steps, axis)
+
+
+def ring_steps(a: str, n: int, first: int = 0, last: int | None = None) -> list[tuple]:
+    """The gather steps (axis, n, stride, size) over mesh axis `a` (n devices) for its rings `first` to
+    `last` counted from the minor one (all by default): ring j groups the devices whose indices differ in
+    digit j of the index written in the rings' sizes."""
+    sizes = list(reversed(rings(a, n)))  # minor first
+    stride = math.prod(sizes[:first])
+    steps = []
+    for size in sizes[first:last]:
+        if size > 1:
+            steps.append((a, n, stride, size))
+        stride *= size
+    return steps
+
+
+def groups_of(steps) -> list[list[int]]:
+    """The device groups (indices on the steps' one mesh axis) that the steps together gather over."""
+    a, n, _, _ = steps[0]
+    members = [0]
+    for _, _, stride, size in steps:
+        members = [m + stride * j for j in range(size) for m in members]
+    members.sort()
+    seen, out = set(), []
+    for base in range(n):
+        if base not in seen:
+            group = [base + m for m in members]
+            seen.update(group)
+            out.append(group)
+    return out
+
+
+def gather_steps(x, steps, axis: int):
+    """x all-gathered (tiled along `axis`) step by step, each step within its ring's groups."""
     for a, n, stride, size in steps:
         groups = [[base + stride * j for j in range(size)] for base in range(n) if (base // stride) % size == 0]
         x = jax.lax.all_gather(x, a, axis=axis, tiled=True, axis_index_groups=groups)
     return x
 
-
-def replicated(w, spec: P):
-    """w, laid out per `spec` on the current mesh, whole on every device: each split dim gathered by
-    `gather` under shard_map. w itself when the spec splits nothing."""
-    split = [(d, e) for d, e in enumerate(spec) if e]
-    if not split:
-        return w
-
-    def local(w):
-        for d, e in split:
-            w = gather(w, e, d)
-        return w
-
-    mesh = jax.sharding.get_abstract_mesh()
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=P(), check_vma=False)(w)
