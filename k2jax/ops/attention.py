@@ -64,14 +64,16 @@ def attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_valid_BS, s
 
 
 def attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, dtype,
-                       impl: str = "auto", prefix=None):
+                       impl: str = "auto", prefix=None, kv_b_stack=None):
     """`attend` over a cached prefix and the T new tokens: the prefix (ckv [B, S, R], k_pe [B, S, P], valid
     [B, S], in any dtype; k2jax.ops.paged.PagedCache.read) first, then the new tokens' own latents (ckv [B, T,
-    R], k_pe [B, T, P], kv_valid [B, T]), all in `dtype`. prefix None: the new tokens alone. -> [B, T, N, V]."""
+    R], k_pe [B, T, P], kv_valid [B, T]), all in `dtype`. prefix None: the new tokens alone. -> [B, T, N, V].
+    kv_b_stack: (the layers' plain kv_b_proj stack, this layer's index), read in place where the tokens are
+    split over the mesh (attend_split_tokens); w_kv_b elsewhere."""
     spec = split_specs(("batch", "length", None, None), q_nope_BTNK.shape)
     if impl == "auto" and spec is not None and spec[1] is not None and ckv_BTR.shape[1] > 1:
         return attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale,
-                                   dtype, spec, prefix)
+                                   dtype, spec, prefix, kv_b_stack)
     ckv_BSR, k_pe_BSP, valid_BS = ckv_BTR, k_pe_BTP, kv_valid_BT.astype(bool)
     if prefix is not None:
         c_ckv_BSR, c_k_pe_BSP, c_valid_BS = prefix
@@ -79,6 +81,16 @@ def attend_with_prefix(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv
         k_pe_BSP = jnp.concatenate([c_k_pe_BSP.astype(dtype), k_pe_BTP], 1)
         valid_BS = jnp.concatenate([c_valid_BS, valid_BS], 1)
     return attend(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, valid_BS, scale, impl)
+
+
+def kv_b_halves(w_kv_b, K: int, dtype):
+    """(W_UK [R, N, K], W_UV [R, N, V]) in `dtype` from w_kv_b [R, N, K + V], or from such a pair as it is
+    (attend_split_tokens reads each half out of the layers' stack by its own product: a copy of the layer's
+    slice, which two readers of one slice make, is not written)."""
+    if isinstance(w_kv_b, tuple):
+        return tuple(materialize(w, dtype) for w in w_kv_b)
+    w_kv_b = materialize(w_kv_b, dtype)
+    return w_kv_b[..., :K], w_kv_b[..., K:]
 
 
 def causal_mask(kv_valid_BS, T: int):
@@ -134,8 +146,7 @@ def attend_absorbed(q_nope_BTNK, q_pe_BTNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, mask_
     """
     B, T, N, K = q_nope_BTNK.shape
     f32, dt = jnp.float32, ckv_BSR.dtype
-    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
-    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+    w_uk_RNK, w_uv_RNV = kv_b_halves(w_kv_b_RNX, K, dt)
     q_lat_BNTR = jnp.einsum("BTNK,RNK->BNTR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
     q_lat_BMR = (q_lat_BNTR * scale).astype(dt).reshape(B, N * T, -1)
     q_pe_BMP = (q_pe_BTNP.transpose(0, 2, 1, 3).astype(f32) * scale).astype(dt).reshape(B, N * T, -1)
@@ -248,7 +259,7 @@ def _unrolled_blocks(q_BNTH, k_BNSH, v_BNSV, kv_valid_BS, block, C):
 
 
 def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, dtype,
-                        spec, prefix=None):
+                        spec, prefix=None, kv_b_stack=None):
     """attend_with_prefix for T new tokens split over mesh axes (sequence parallel: a lone row's prompt
     chunk, whose rows cannot fill the batch axes; k2jax.sharding's "length" rule). spec: the PartitionSpec of
     q_nope [B, T, N, K] (batch, length, then heads whole).
@@ -258,7 +269,10 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
     over the prefix (whole on every device) and the new keys: its own block of keys is rolled to the end,
     so that `attend` sees the keys before it as a prefix and its own causally, and the keys after it are
     masked out. Projections and norms stay on each device's own tokens (the caller's activations are
-    split the same way). Equals attend_with_prefix on the whole arrays."""
+    split the same way). Equals attend_with_prefix on the whole arrays.
+
+    kv_b_stack: (the layers' kv_b_proj stack [L, R, N, K + V], plain; the layer's index), which then stands for
+    w_kv_b: each half is read out of the stack by its own product (see kv_b_halves)."""
     b_ax, t_ax = spec[0], spec[1]
     t_axes = (t_ax,) if isinstance(t_ax, str) else tuple(t_ax)
     mesh = jax.sharding.get_abstract_mesh()
@@ -267,7 +281,8 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
     for a in t_axes:
         n *= mesh.shape[a]
     t = T // n
-    w = materialize(w_kv_b_RNX, dtype)
+    K = q_nope_BTNK.shape[-1]
+    w = materialize(w_kv_b_RNX, dtype) if kv_b_stack is None else kv_b_stack
     if prefix is None:
         prefix = (jnp.zeros((B, 0, ckv_BTR.shape[-1]), dtype), jnp.zeros((B, 0, k_pe_BTP.shape[-1]), dtype),
                   jnp.zeros((B, 0), bool))
@@ -275,6 +290,9 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
     C = c_ckv_BCR.shape[1]
 
     def local(q_nope, q_pe, ckv, k_pe, valid, c_ckv, c_k_pe, c_valid, w):
+        if kv_b_stack is not None:
+            stack, layer = w
+            w = (stack[layer, ..., :K].astype(dtype), stack[layer, ..., K:].astype(dtype))
         d = 0
         for a in t_axes:  # this device's block of the new tokens, row-major over the axes (as NamedSharding)
             d = d * mesh.shape[a] + jax.lax.axis_index(a)
@@ -285,6 +303,7 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
         keys = [keys[0].astype(dtype), keys[1].astype(dtype), keys[2]]
 
         def plain(q_nope, q_pe, ckv, k_pe, valid, w, start):
+            w = jnp.concatenate(w, -1) if isinstance(w, tuple) else w
             rolled = [jnp.roll(x, C + T - start - t, axis=1) for x in (ckv, k_pe, valid)]  # own block last
             return attend(q_nope, q_pe, *rolled[:2], w, rolled[2], scale)
 
@@ -292,7 +311,7 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
             return attend_own_block(q_nope, q_pe, ckv, k_pe, w, valid, scale, start)
 
         args = (q_nope, q_pe, *keys, w, end - t)
-        if not absorbed_is_cheaper(t, ckv.shape[-1], q_nope.shape[-1], w.shape[-1]):
+        if not absorbed_is_cheaper(t, ckv.shape[-1], K, w_kv_b_RNX.shape[-1]):
             return plain(*args)
         return _evaluated_by(lambda *a: jax.lax.platform_dependent(*a, tpu=kernel, default=plain), plain, *args)
 
@@ -300,7 +319,7 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(P(b_ax, t_ax, None, None), P(b_ax, t_ax, None, None), new, new, P(b_ax, t_ax),
-                  whole_prefix, whole_prefix, P(b_ax, None), P()),
+                  whole_prefix, whole_prefix, P(b_ax, None), jax.tree.map(lambda _: P(), w)),
         out_specs=P(b_ax, t_ax, None, None), check_vma=False,
     )(q_nope_BTNK, q_pe_BTNP, ckv_BTR.astype(dtype), k_pe_BTP.astype(dtype), kv_valid_BT.astype(bool),
       c_ckv_BCR, c_k_pe_BCP, c_valid_BC.astype(bool), w)
@@ -348,8 +367,7 @@ def attend_own_block(q_nope_BtNK, q_pe_BtNP, ckv_BSR, k_pe_BSP, w_kv_b_RNX, kv_v
     S, R = ckv_BSR.shape[1:]
     P = q_pe_BtNP.shape[-1]
     dt, f32 = ckv_BSR.dtype, jnp.float32
-    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
-    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
+    w_uk_RNK, w_uv_RNV = kv_b_halves(w_kv_b_RNX, K, dt)
     q_lat_BtNR = (jnp.einsum("BTNK,RNK->BTNR", q_nope_BtNK, w_uk_RNK, preferred_element_type=f32)
                   * scale).astype(dt)
     q_pe_BtNP = (q_pe_BtNP.astype(f32) * scale).astype(dt)

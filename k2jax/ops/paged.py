@@ -89,9 +89,10 @@ class PagedCache:
         return self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
 
     def context(self, group: str, layer, dtype):
-        """What layer `layer` of `group` attends over (k2jax.nn.block): its PagedContext, or None for a step
-        that reads no cached token (read_pages 0: a first prompt chunk)."""
-        return None if self.read_pages == 0 else PagedContext(self, group, layer, dtype)
+        """What layer `layer` of `group` attends over (k2jax.nn.block): its PagedContext (for a step that
+        reads no cached token, read_pages 0, a first prompt chunk: no prefix, and the layer's kv_b_proj read
+        out of the stack where its tokens are split over the mesh)."""
+        return PagedContext(self, group, layer, dtype)
 
     def in_place(self, B: int, N: int) -> bool:
         """Whether a step of B rows of N heads can read the pool in place, each shard its own part (the
@@ -203,8 +204,8 @@ class PagedContext:
     dtype: jnp.dtype
 
     def read(self):
-        """The layer's cached tokens, gathered: PagedCache.read."""
-        return self.cache.read(self.group, self.layer, self.dtype)
+        """The layer's cached tokens, gathered: PagedCache.read (None when the step reads none)."""
+        return None if self.cache.read_pages == 0 else self.cache.read(self.group, self.layer, self.dtype)
 
     def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, impl="auto"):
         """The T new tokens' attention over the cached tokens and themselves -> [B, T, N, V].
@@ -215,8 +216,11 @@ class PagedContext:
         B, T, N, _ = q_nope_BTNK.shape
         args = (q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT)
 
+        stack = self.cache.kv_b.get(self.group)
+        in_stack = None if stack is None or is_quantized(stack) else (stack, self.layer)
+
         def gathered(*args):
-            return attend_with_prefix(*args, scale, self.dtype, impl, self.read())
+            return attend_with_prefix(*args, scale, self.dtype, impl, self.read(), kv_b_stack=in_stack)
 
         if T != 1 or impl != "auto" or not self.cache.in_place(B, N):
             return gathered(*args)
