@@ -220,17 +220,20 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
     def one_round(acc_tD, r):
         sel_NC = jax.lax.dynamic_slice_in_dim(pair_NS, r * c, c, axis=1)
         tok_NC = sel_NC // K  # the padding pair t·K -> row t
-        send = (x_pD[tok_NC], lid_pQ[sel_NC], w_pQ[sel_NC])
-        x_NCD, lid_NC, w_NC = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in send)
-        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NC.reshape(n * c, 1), w_NC.reshape(n * c, 1),
+        w_NC = w_pQ[sel_NC].astype(jnp.float32)  # the pairs' routing weights stay home (see below)
+        x_NCD, lid_NC = (jax.lax.all_to_all(a, e_ax, 0, 0, tiled=True) for a in (x_pD[tok_NC], lid_pQ[sel_NC]))
+        # Unweighted (weights of 1, which XLA folds away; shaped after the rows, so that they vary over the same
+        # mesh axes): each pair's weight is applied at home, inside the sum below, rather than in a pass over
+        # every returned row on the experts' side.
+        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NC.reshape(n * c, 1), jnp.ones_like(x_NCD[..., :1], jnp.float32).reshape(n * c, 1),
                              *ex, impl=impl, tile=tile, layer=layer)
-        # Back in the activation dtype (half the bytes in bf16); the sum over a token's pairs is float32.
+        # Back in the activation dtype (half the bytes in bf16); the weighted sum over a token's pairs is float32.
         y_NCD = jax.lax.all_to_all(y_RD.astype(x_tD.dtype).reshape(n, c, D), e_ax, 0, 0, tiled=True)
-        if t <= COMBINE_MATMUL_ROWS:  # one matmul with a 0/1 [t, n·c] matrix (exact) reads the rows once
-            hit_tR = (tok_NC.reshape(1, -1) == jnp.arange(t)[:, None]).astype(y_NCD.dtype)
-            return acc_tD + jnp.dot(hit_tR, y_NCD.reshape(n * c, D), precision=jax.lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32)
-        return acc_tD.at[tok_NC].add(y_NCD.astype(jnp.float32), mode="drop")
+        if t <= COMBINE_MATMUL_ROWS:  # one matmul with a [t, n·c] matrix of the weights reads the rows once
+            w_tR = jnp.where(tok_NC.reshape(1, -1) == jnp.arange(t)[:, None], w_NC.reshape(1, -1), 0.0)
+            return acc_tD + jnp.dot(w_tR, y_NCD.reshape(n * c, D).astype(jnp.float32),
+                                    precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return acc_tD.at[tok_NC].add(y_NCD.astype(jnp.float32) * w_NC[..., None], mode="drop")
 
     acc_tD = _zeros((t, D), jnp.float32, x_tD, *ex)
     if layer is not None:
@@ -296,6 +299,10 @@ def _combine(y_MD, order_M, lid_RK, w_RK, e: int):
         w_RM = jnp.zeros((R, M), jnp.float32).at[order_M // K, jnp.arange(M)].set(w_M)
         return jnp.dot(w_RM, y_MD.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST,
                        preferred_element_type=jnp.float32)
+    if K == 1:  # one slot a row (the all-to-all exchange's rows): a row not local reads its own slot, past
+        # the local ones, which holds 0, so no mask; weights of 1 (the exchange's) then fold away entirely
+        slot_R = jnp.zeros((R,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32))
+        return w_RK.astype(jnp.float32) * y_MD[slot_R].astype(jnp.float32)
     J = min(K, e)
     slot_RK = jnp.zeros((R * K,), jnp.int32).at[order_M].set(jnp.arange(M, dtype=jnp.int32)).reshape(R, K)
     local_RK = lid_RK < e
