@@ -73,7 +73,7 @@ def _kernel(row_ref, len_ref, table_ref, layer_ref, q_lat_ref, q_pe_ref, *refs, 
     del row_ref, table_ref, layer_ref  # used by the index maps only
     pages = refs[:v]
     scales = refs[v:2 * v] if quantized else ()
-    m_out, l_out, acc_out, m_scr, l_scr, acc_scr = refs[2 * v if quantized else v:]
+    ml_out, acc_out, m_scr, l_scr, acc_scr = refs[2 * v if quantized else v:]
     grp, j = pl.program_id(0), pl.program_id(2)
     n_keys = len_ref[grp]
     f32 = jnp.float32
@@ -113,8 +113,9 @@ def _kernel(row_ref, len_ref, table_ref, layer_ref, q_lat_ref, q_pe_ref, *refs, 
 
     @pl.when(j == visits - 1)
     def _():
-        m_out[...] = m_scr[...]
-        l_out[...] = l_scr[...]
+        # m and l leave as two rows [2, rows] (rows along the lanes), not lane-broadcast [rows, 128] columns:
+        # 1/64 of the bytes for the caller to read back.
+        ml_out[...] = jnp.concatenate([m_scr[...].T[:1], l_scr[...].T[:1]], axis=0)
         acc_out[...] = acc_scr[...]
 
 
@@ -173,25 +174,25 @@ def paged_mla(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, lay
         s_BW2Y = scales_LA2Y[layer, table_BW].reshape(B, W, 2, Y)
         in_specs += [pl.BlockSpec((None, None, 2, Y), scale_map(i)) for i in range(v)]
         args += [s_BW2Y] * v
-    stat = pl.BlockSpec((None, rows, _LANES), q_map)
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4, grid=(M, tiles, visits), in_specs=in_specs,
-        out_specs=[stat, stat, pl.BlockSpec((None, rows, R), q_map)],
+        out_specs=[pl.BlockSpec((None, None, 2, rows), lambda grp, t, j, *_: (grp, t, 0, 0)),
+                   pl.BlockSpec((None, rows, R), q_map)],
         scratch_shapes=[pltpu.VMEM((rows, _LANES), jnp.float32), pltpu.VMEM((rows, _LANES), jnp.float32),
                         pltpu.VMEM((rows, R), jnp.float32)])
     f32 = jnp.float32
-    out_shape = [jax.ShapeDtypeStruct((M, g * N, _LANES), f32), jax.ShapeDtypeStruct((M, g * N, _LANES), f32),
-                 jax.ShapeDtypeStruct((M, g * N, R), f32)]
+    out_shape = [jax.ShapeDtypeStruct((M, tiles, 2, rows), f32), jax.ShapeDtypeStruct((M, g * N, R), f32)]
     page_bytes = Y * (Cp * pages_LAYC.dtype.itemsize + (8 if quantized else 0))
     cost = pl.CostEstimate(  # the keys a full table would read (once per row tile); the kernel reads only
         flops=2 * M * g * N * W * Y * (R + P + R), transcendentals=M * g * N * W * Y,  # the rows' own
         bytes_accessed=int(M * tiles * W * page_bytes + q_lat.size * q_lat.dtype.itemsize * (R + P) // R
-                           + M * g * N * (R + 2 * _LANES) * 4))
-    m, l, acc = pl.pallas_call(
+                           + M * g * N * (R + 2) * 4))
+    ml, acc = pl.pallas_call(
         functools.partial(_kernel, v=v, Y=Y, R=R, C=C, quantized=quantized, visits=visits),
         out_shape=out_shape, grid_spec=spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"),
                                              vmem_limit_bytes=b.vmem),
         cost_estimate=cost, interpret=interpret,
     )(row_M.astype(jnp.int32), len_M, table, layer_1, q_lat, q_pe, *args)
-    return m[..., 0].reshape(M, g, N), l[..., 0].reshape(M, g, N), acc.reshape(M, g, N, R)
+    m, l = (ml[:, :, i].reshape(M, g, N) for i in range(2))
+    return m, l, acc.reshape(M, g, N, R)
