@@ -92,11 +92,13 @@ def test_float8_pages_within_the_float8_tolerance(model_params, step):
     np.testing.assert_allclose(got[:, :16], want[:, :16], atol=1e-5, rtol=1e-5)  # the first chunk reads no pages
 
 
-@pytest.mark.parametrize("spec, B", [("expert=8", 8), ("expert=8", 3), ("expert=4,tensor=2", 4),
-                                     ("data=2,expert=4", 8), ("data=2,expert=4", 1)])
-def test_sharded_pages_equal_one_device(model_params, spec, B):
+@pytest.mark.parametrize("spec, B, cuts", [("expert=8", 8, (9, 10)), ("expert=8", 3, (9, 10)),
+                                           ("expert=4,tensor=2", 4, (9, 10)), ("data=2,expert=4", 8, (9, 10)),
+                                           ("data=2,expert=4", 1, (9, 10)), ("expert=8", 1, (16, 17))])
+def test_sharded_pages_equal_one_device(model_params, spec, B, cuts):
     """On meshes where the batch (and the pool's pages) split over expert, and where they cannot split (the
-    rows replicated, the pool read by global page id): the same logits as one device."""
+    rows replicated, the pool read by global page id; a lone row's 16-token chunk split over the devices,
+    sequence parallel, its pages written whole by the shard holding them): the same logits as one device."""
     model, params = model_params
     tokens = jax.random.randint(jax.random.PRNGKey(4), (B, 24), 0, TINY.vocab_size)
     want = _reference(model, params, tokens)
@@ -106,7 +108,7 @@ def test_sharded_pages_equal_one_device(model_params, spec, B):
         cache = init_cache(TINY, B, 32, "float32", page_size=PAGE, mesh=mesh)
         step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, None, m, c), donate_argnums=(3,))
         outs = []
-        for a, b in ((0, 9), (9, 10), (10, 24)):
+        for a, b in ((0, cuts[0]), cuts, (cuts[1], 24)):
             logits, cache = step(sharded, tokens[:, a:b], jnp.ones((B, b - a), bool), cache)
             outs.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(outs, 1), want, atol=1e-5, rtol=1e-5)
@@ -132,3 +134,41 @@ def test_attention_form_follows_the_shapes():
     assert absorbed_is_cheaper(1, 512, 128, 256) and absorbed_is_cheaper(170, 512, 128, 256)
     assert not absorbed_is_cheaper(171, 512, 128, 256) and not absorbed_is_cheaper(512, 512, 128, 256)
     assert absorbed_is_cheaper(85, 256, 64, 128) and not absorbed_is_cheaper(86, 256, 64, 128)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_write_pages_equals_writing_each_token(quantized):
+    """write_pages (a chunk's tokens, a page at a time) against numpy writing token by token: rows whose
+    cache ends mid-page or on a page edge, chunks that fill pages whole, in part (at either end, or one page
+    from a page edge), or not at all (count 0),
+    pages owned by another part of the pool (trash), and the scales of an e4m3 pool."""
+    from k2jax.ops.paged import TRASH_PAGE, write_pages
+
+    rng = np.random.default_rng(0)
+    L, Y, C, T, W, first, A = 2, 4, 3, 10, 6, 5, 40
+    lengths = np.array([0, 3, 8, 5, 13, 12])
+    count = np.array([10, 9, 4, 0, 7, 2])  # the last: a page edge, then part of one page
+    B = len(lengths)
+    table = (first + rng.permutation(A - 1)[:B * W] + 1).reshape(B, W)
+    table[4, 4] = 100  # a page of another part of the pool: its tokens go to the trash page
+    pages = rng.normal(size=(L, A, Y, C)).astype(np.float32)
+    x = rng.normal(size=(L, B, T, C)).astype(np.float32)
+    scales = rng.normal(size=(L, A, 2 * Y)).astype(np.float32) if quantized else None
+    s_new = rng.normal(size=(L, B, T, 2)).astype(np.float32) if quantized else None
+    want, want_s = pages.copy(), None if scales is None else scales.copy()
+    for b in range(B):
+        for t in range(count[b]):
+            pos = lengths[b] + t
+            page = table[b, pos // Y] - first
+            if not 0 <= page < A:
+                continue
+            want[:, page, pos % Y] = x[:, b, t]
+            if quantized:
+                want_s[:, page, pos % Y] = s_new[:, b, t, 0]
+                want_s[:, page, Y + pos % Y] = s_new[:, b, t, 1]
+    args = (first, jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(count), jnp.asarray(x), jnp.asarray(pages))
+    got = jax.jit(write_pages)(*args, *((jnp.asarray(scales), jnp.asarray(s_new)) if quantized else ()))
+    keep = np.arange(A) != TRASH_PAGE
+    np.testing.assert_array_equal(np.asarray(got[0])[:, keep], want[:, keep])
+    if quantized:
+        np.testing.assert_array_equal(np.asarray(got[1])[:, keep], want_s[:, keep])

@@ -39,8 +39,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k2jax.ops.attention import attend_with_prefix
+from k2jax.ops.collectives import gather
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import is_quantized, materialize
 from k2jax.sharding import logical_to_spec, per_shard, split_axes
@@ -164,6 +166,14 @@ class PagedCache:
             if self.pad:
                 x_LBTC = jnp.pad(x_LBTC, [(0, 0)] * 3 + [(0, self.pad)])
 
+            if x_LBTC.shape[2] >= Y:  # a prompt chunk: whole pages at a time (see write_pages)
+                out = self._write_pages(x_LBTC, s_LBT2, count_B, pages[g], scales.get(g) if s_LBT2 is not None
+                                        else None)
+                pages[g] = out[0]
+                if s_LBT2 is not None:
+                    scales[g] = out[1]
+                continue
+
             def local(first, table_BW, lengths_B, count_B, x_LBTC, pages, *quant):
                 T = x_LBTC.shape[2]
                 table_BW = table_BW - first
@@ -184,6 +194,43 @@ class PagedCache:
             if quant:
                 scales[g] = out[1]
         return self.replace(pages=pages, scales=scales, lengths=self.lengths + count_B.astype(jnp.int32))
+
+    def _write_pages(self, x_LBTC, s_LBT2, count_B, pages, scales):
+        """append's writes of a chunk of T >= page_size tokens a row: write_pages on each shard's part of the
+        pool. The rows split like the pool: per_shard. Otherwise (a lone row) every shard takes the whole
+        chunk, gathered along the slice's rings where its tokens are split over the pool's axes (sequence
+        parallel), and writes the pages it holds (the others go to its trash page)."""
+        quant = () if scales is None else (scales, s_LBT2)
+        args = (self.page_table, self.lengths, count_B, x_LBTC, pages) + quant
+        if split_axes(self.shard_axes, args[0].shape[0]) or not self._pool_axes():
+            return self._per_shard(lambda first, *a: write_pages(first, *a), args, (0, 0, 0, 1, 1) + (1,) * len(quant),
+                                   (1,) * (1 + bool(quant)))
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = self._pool_axes()
+        shards = math.prod(mesh.shape[a] for a in axes)
+        t_spec = logical_to_spec(("length",), (x_LBTC.shape[2],), dict(mesh.shape))[0]
+        t_axes = tuple(a for a in ((t_spec,) if isinstance(t_spec, str) else t_spec or ()) if mesh.shape[a] > 1)
+
+        def local(table_BW, lengths_B, count_B, x_LBTC, pages, *quant):
+            shard = 0
+            for a in axes:
+                shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+            if t_axes:
+                x_LBTC = gather(x_LBTC, t_axes, 2)
+                quant = quant and (quant[0], gather(quant[1], t_axes, 2))
+            return write_pages(shard * (self.num_pages // shards), table_BW, lengths_B, count_B, x_LBTC, pages,
+                               *quant)
+
+        pool = P(None, axes, None, None)
+        x = P(None, None, t_axes or None, None)
+        in_specs = (P(), P(), P(), x, pool) + ((P(None, axes, None), x) if quant else ())
+        out_specs = (pool,) + ((P(None, axes, None),) if quant else ())
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+    def _pool_axes(self) -> tuple[str, ...]:
+        """The mesh axes that split the pool's pages (the cache's shard axes present on the mesh)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        return tuple(a for a in self.shard_axes if mesh.shape and mesh.shape.get(a, 1) > 1)
 
     def _per_shard(self, fn, args, dims, out_dims):
         """fn(first, *args) per shard of the pool (k2jax.sharding.per_shard) when the rows (args[0], a [B, ...]
@@ -310,6 +357,94 @@ def gather_latents(pages_LAYC, scales_LA2Y, layer, ids, C: int, R: int, dtype):
 def page_scales(s_X):
     """Pages' scales as held, [..., 2 * Y] -> [..., Y, 2] (each token's latent and rope-key scale)."""
     return jnp.swapaxes(s_X.reshape(s_X.shape[:-1] + (2, s_X.shape[-1] // 2)), -1, -2)
+
+
+def write_pages(first, table_BW, lengths_B, count_B, x_LBTC, pages_LAYC, scales_LA2Y=None, s_LBT2=None):
+    """pages (and scales) with each row's first count_B[b] new tokens x [L, B, T, C] written at positions
+    lengths[b] + t, a page at a time, in place (dynamic updates of [L, 1, Y, C]): first the pages the row's
+    tokens fill whole, each a slice of x written as it is, then the two a row's tokens may fill in part (the
+    page it ends its cache in, the one its tokens end in), each read, merged with its new tokens and written
+    back. `first`: the global id of this part of the pool's first page; a page outside it, or one a row does
+    not reach, is written to the trash page.
+
+    For chunks (T >= Y): a scatter of the tokens made XLA:TPU copy the whole pool to another layout and back
+    (pages-major, as the scatter wants), 2.4 GiB a lone 8192-token prompt on v5p:4x4x4; these updates keep the
+    pool as it is laid out. set_scales and the scatter stay the form for a few tokens a row (decode)."""
+    L, B, T, _ = x_LBTC.shape
+    A, Y = pages_LAYC.shape[1:3]
+    W = table_BW.shape[1]
+    quantized = scales_LA2Y is not None
+
+    def page_id(b, w, used):
+        page = jnp.take(table_BW[b], jnp.clip(w, 0, W - 1)) - first
+        return jnp.where(used & (w < W) & (page >= 0) & (page < A), page, TRASH_PAGE)
+
+    def row(a, b):
+        return jax.lax.dynamic_index_in_dim(a, b, 1, keepdims=False)
+
+    def page_scales(s_LY2):  # a page's latent scales, then its rope ones
+        return s_LY2.transpose(0, 2, 1).reshape(L, 1, 2 * Y)
+
+    def whole(i, state):  # row b's k-th page filled whole, from token head + k·Y on
+        pages, scales = state
+        b, k = i // (T // Y), i % (T // Y)
+        start, count = lengths_B[b], count_B[b]
+        head = (Y - start % Y) % Y  # the tokens that finish the page the row's cache ends in
+        tok = head + k * Y
+        page = page_id(b, (start + tok) // Y, tok + Y <= count)
+        x_L1YC = jax.lax.dynamic_slice_in_dim(row(x_LBTC, b), tok, Y, axis=1)[:, None]
+        pages = jax.lax.dynamic_update_slice_in_dim(pages, x_L1YC.astype(pages.dtype), page, axis=1)
+        if quantized:
+            s_L2Y = page_scales(jax.lax.dynamic_slice_in_dim(row(s_LBT2, b), tok, Y, axis=1))
+            scales = jax.lax.dynamic_update_slice_in_dim(scales, s_L2Y, page, axis=1)
+        return pages, scales
+
+    def part(i, state):  # row b's page e (0: where its cache ends, 1: where its new tokens end), merged
+        pages, scales = state
+        b, e = i // 2, i % 2
+        start, count = lengths_B[b], count_B[b]
+        w = jnp.where(e == 0, start // Y, (start + count) // Y)
+        first_tok = w * Y - start  # the new token at the page's slot 0 (negative: the page began earlier)
+        tok_Y = first_tok + jnp.arange(Y)
+        new_Y = (tok_Y >= 0) & (tok_Y < count)
+        # page 0 when the row's cache ends mid-page; page 1 when the tokens end mid-page, unless page 0 is
+        # that page and is merged already (page 0's merge takes every new token it holds)
+        head_part = start % Y != 0
+        used = jnp.where(e == 0, head_part, ((start + count) % Y != 0) & ~(head_part & (w == start // Y)))
+        used = used & (count > 0)
+        page = page_id(b, w, used)
+        # The page's tokens lie in the row's edge slice e (see `edges`); slot y takes its row y + first_tok - at.
+        idx_Y = jnp.clip(tok_Y - at_B2[b, e], 0, Y - 1)
+
+        def slots(edges_B2LYX):
+            return jnp.take(edges_B2LYX[b, e], idx_Y, axis=1)
+
+        x_LYC = slots(x_edges)
+        old = jax.lax.dynamic_slice_in_dim(pages, page, 1, axis=1)
+        merged = jnp.where(new_Y[None, None, :, None], x_LYC[:, None].astype(pages.dtype), old)
+        pages = jax.lax.dynamic_update_slice_in_dim(pages, merged, page, axis=1)
+        if quantized:
+            s_L2Y = page_scales(slots(s_edges))
+            old_s = jax.lax.dynamic_slice_in_dim(scales, page, 1, axis=1)
+            merged_s = jnp.where(jnp.concatenate([new_Y, new_Y])[None, None, :], s_L2Y, old_s)
+            scales = jax.lax.dynamic_update_slice_in_dim(scales, merged_s, page, axis=1)
+        return pages, scales
+
+    # Each row's two edge slices of Y tokens (where its cache's page ends, where its tokens' page ends), taken
+    # before the loops: picked out of x inside the loop, XLA:TPU wanted all of x in another layout than the
+    # whole pages' slices read it in (one more copy of the chunk).
+    ends_B2 = jnp.stack([lengths_B // Y, (lengths_B + count_B) // Y], -1) * Y - lengths_B[:, None]
+    at_B2 = jnp.clip(ends_B2, 0, T - Y)
+
+    def edges(a_LBTX):
+        return jax.vmap(lambda a_LTX, at_2: jnp.stack([jax.lax.dynamic_slice_in_dim(a_LTX, at_2[i], Y, axis=1)
+                                                        for i in range(2)]), in_axes=(1, 0))(a_LBTX, at_B2)
+
+    x_edges = edges(x_LBTC)
+    s_edges = edges(s_LBT2) if quantized else None
+    state = jax.lax.fori_loop(0, B * (T // Y), whole, (pages_LAYC, scales_LA2Y))
+    pages, scales = jax.lax.fori_loop(0, B * 2, part, state)
+    return (pages,) if scales is None else (pages, scales)
 
 
 def set_scales(scales_LA2Y, page, slot, s_2):
