@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from k2jax.config import K2Config
 from k2jax.nn.model import abstract_params, param_axes
 from k2jax.ops.quant import QuantizedWeight, is_quantized, scale_partition
-from k2jax.sharding import format_bytes, logical_to_spec, shard_count
+from k2jax.sharding import cutting_axes, format_bytes, logical_to_spec, shard_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +125,7 @@ def _padded(spec, n):
 
 def _effective(spec, ndim, mesh_shape):
     """The spec with size-1 axes dropped: two specs that cut every dim alike compare equal."""
-    return tuple(tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh_shape.get(a, 1) > 1)
-                 for e in _padded(spec, ndim))
+    return tuple(cutting_axes(e, mesh_shape) for e in _padded(spec, ndim))
 
 
 def _axes_str(entry, mesh_shape) -> str:

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 
-from k2jax.ops.spec import shard_count  # noqa: F401  (re-exported: how many pieces a spec entry cuts a dim into)
+from k2jax.ops.spec import cutting_axes, shard_count  # noqa: F401  (re-exported: spec entries' axes and pieces)
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -242,8 +242,6 @@ def rings(axis: str, size: int) -> tuple[int, ...]:
     return found if found and math.prod(found) == size else (size,)
 
 
-
-
 def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
     """fn(shard, *args) -> tuple of arrays, run once per data-parallel shard under shard_map when the current
     mesh splits `axes` (> 1 shard): each arg split along its axis in `dims` (None = whole), the outputs
@@ -253,7 +251,7 @@ def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
     For state that lives per shard (the KV cache's pages, per-slot sampling state): each shard's rows use
     only its own part, so nothing is gathered across chips."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in axes if mesh.shape and mesh.shape.get(a, 1) > 1)
+    axes = cutting_axes(axes, dict(mesh.shape))
     if not axes:
         return fn(0, *args)
 
@@ -261,19 +259,26 @@ def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
         return P() if d is None else P(*([None] * d + [axes]))
 
     def sharded(*xs):
-        idx = 0
-        for a in axes:
-            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-        return fn(idx, *xs)
+        return fn(shard_index(axes), *xs)
 
     return jax.shard_map(sharded, mesh=mesh, in_specs=tuple(spec(d) for d in dims),
                          out_specs=tuple(spec(d) for d in out_dims), check_vma=False)(*args)
+
+
+def shard_index(axes, mesh=None):
+    """This device's index over mesh axes `axes` (an axis or a tuple) under shard_map on `mesh` (default: the
+    current one), row-major, as NamedSharding splits a dim over them."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    idx = 0
+    for a in ((axes,) if isinstance(axes, str) else axes):
+        idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
+    return idx
 
 
 def split_axes(axes: tuple[str, ...], rows: int) -> tuple[str, ...]:
     """`axes` (a per-shard state's axes) if the current mesh splits them and they divide `rows` (the rows of
     a step then lie in shard order); () otherwise: the step's rows are not split like the state."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in axes if mesh.shape and mesh.shape.get(a, 1) > 1)
+    axes = cutting_axes(axes, dict(mesh.shape))
     n = math.prod(mesh.shape[a] for a in axes) if axes else 1
     return axes if n > 1 and rows % n == 0 else ()

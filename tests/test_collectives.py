@@ -74,7 +74,7 @@ def test_mlp_on_split_tokens_shares_the_work_in_groups_along_rings(F, rings, gro
     monkeypatch.setattr(sharding, "axis_rings", lambda mesh: {} if rings is None else {"expert": rings})
     D, T = 32, 64
     sizes = rings or (8,)
-    j = group_rings(F, T // 8, 8, sizes)
+    j = group_rings(F, T // 8, sizes)
     assert int(np.prod(list(reversed(sizes))[:j])) == groups
     mlp = MLP(F, jnp.float32)
     x = jax.random.normal(jax.random.PRNGKey(0), (1, T, D))

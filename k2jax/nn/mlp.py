@@ -10,7 +10,7 @@ from k2jax.nn.common import param
 from k2jax.ops.matmul import einsum
 from k2jax.ops.quant import is_quantized
 from k2jax.ops.split_mlp import swiglu_split_tokens
-from k2jax.sharding import split_specs
+from k2jax.sharding import cutting_axes, split_specs
 
 
 class MLP(nn.Module):
@@ -44,12 +44,8 @@ def _split_axis(x_BTD, gate_DF) -> str | None:
     w_spec = split_specs(("embed", "mlp"), gate_DF.shape)
     if x_spec is None or w_spec is None:
         return None
-    mesh = jax.sharding.get_abstract_mesh()
-
-    def axes(entry):
-        return tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if mesh.shape[a] > 1)
-
-    t, f = axes(x_spec[1]), axes(w_spec[1])
-    if len(t) != 1 or t != f or axes(x_spec[0]) or axes(x_spec[2]) or axes(w_spec[0]):
+    mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+    (b, t, d), (wd, f) = ([cutting_axes(e, mesh_shape) for e in spec] for spec in (x_spec, w_spec))
+    if len(t) != 1 or t != f or b or d or wd:
         return None
     return t[0]

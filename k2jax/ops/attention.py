@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from k2jax.ops.collectives import gather
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
-from k2jax.sharding import split_specs
+from k2jax.sharding import shard_index, split_specs
 
 _NEG_INF = -1e30  # finite, so a row with nothing to attend to averages instead of giving NaN
 DEFAULT_BLOCK = 256  # measured on XLA:CPU at 512 tokens: 256 beats 128 and 512 (no causal skip)
@@ -91,6 +91,12 @@ def kv_b_halves(w_kv_b, K: int, dtype):
         return tuple(materialize(w, dtype) for w in w_kv_b)
     w_kv_b = materialize(w_kv_b, dtype)
     return w_kv_b[..., :K], w_kv_b[..., K:]
+
+
+def stack_halves(stack_LRNX, layer, K: int, dtype):
+    """(W_UK [R, N, K], W_UV [R, N, V]) of layer `layer` of a plain kv_b_proj stack [L, R, N, K + V], each half
+    sliced out of the stack by itself, so that its own product reads it there (kv_b_halves)."""
+    return stack_LRNX[layer, ..., :K].astype(dtype), stack_LRNX[layer, ..., K:].astype(dtype)
 
 
 def causal_mask(kv_valid_BS, T: int):
@@ -291,11 +297,8 @@ def attend_split_tokens(q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, k
 
     def local(q_nope, q_pe, ckv, k_pe, valid, c_ckv, c_k_pe, c_valid, w):
         if kv_b_stack is not None:
-            stack, layer = w
-            w = (stack[layer, ..., :K].astype(dtype), stack[layer, ..., K:].astype(dtype))
-        d = 0
-        for a in t_axes:  # this device's block of the new tokens, row-major over the axes (as NamedSharding)
-            d = d * mesh.shape[a] + jax.lax.axis_index(a)
+            w = stack_halves(*w, K, dtype)
+        d = shard_index(t_axes)  # this device's block of the new tokens
         whole = [gather(x, t_axes, axis=1) for x in (ckv, k_pe, valid)]
         keys = [jnp.concatenate([c.astype(x.dtype), x], 1) for c, x in zip((c_ckv, c_k_pe, c_valid), whole)]
         end = C + (d + 1) * t  # keys past this device's own block are not seen by any of its queries

@@ -14,7 +14,7 @@ import math
 
 import jax
 
-from k2jax.sharding import rings
+from k2jax.sharding import cutting_axes, rings
 
 
 def gather(x, axes, axis: int):
@@ -22,7 +22,7 @@ def gather(x, axes, axis: int):
     [..., n_local · devices, ...] in the axes' row-major device order, gathered one physical ring at a time
     (minor rings first, so each step's blocks are already in order)."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+    axes = cutting_axes(axes, dict(mesh.shape))
     if not axes:
         return x
     steps = [step for a in reversed(axes) for step in ring_steps(a, mesh.shape[a])]
@@ -63,8 +63,6 @@ def groups_of(steps) -> list[list[int]]:
 
 def gather_steps(x, steps, axis: int):
     """x all-gathered (tiled along `axis`) step by step, each step within its ring's groups."""
-    for a, n, stride, size in steps:
-        groups = [[base + stride * j for j in range(size)] for base in range(n) if (base // stride) % size == 0]
-        x = jax.lax.all_gather(x, a, axis=axis, tiled=True, axis_index_groups=groups)
+    for step in steps:
+        x = jax.lax.all_gather(x, step[0], axis=axis, tiled=True, axis_index_groups=groups_of([step]))
     return x
-

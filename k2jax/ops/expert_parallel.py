@@ -25,7 +25,8 @@ Two exchanges, both dropless and exact (they equal k2jax.ops.moe.moe_grouped up 
 Choice ("auto"): the all-to-all's round capacity is c = min(t, ceil(1.25·t·K/n)). When c == t (n <= 1.25·K, or
 decode-sized t where the ceiling reaches t) a round carries exactly the gather's rows plus the index tables
 and sorting, and bench/sharded.py measured it slower: bench config, 8 simulated devices, K=8, prefill 1x512
-gather 157 ms vs all-to-all 346 ms (another run: 175 vs 288); so "auto" takes "gather" there (Kimi K2 decode on expert=64: t=1).
+gather 157 ms vs all-to-all 346 ms (another run: 175 vs 288); so "auto" takes "gather" there (Kimi K2 decode
+on expert=64: t=1).
 When c < t (n > 1.25·K, as on real slices: 64 expert devices, K=8) the all-to-all's dispatch moves c/t of
 the gather's bytes and its combine returns the activation dtype instead of float32 (K=2 variant of the bench,
 prefill: 564 + 560 KiB per device vs 903 + 1792 KiB), so "auto" takes "all_to_all". Simulated CPU devices
@@ -43,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k2jax.ops.moe import _ragged_swiglu, grouped_moe, layer_from_stacks
 from k2jax.ops.quant import QuantizedWeight, compute_dtype, dequantize_shard, is_quantized, scale_partition
-from k2jax.sharding import dividing_axes, logical_to_spec
+from k2jax.sharding import dividing_axes, logical_to_spec, shard_index
 
 EP_MODES = ("auto", "all_to_all", "gather")
 TOKEN_AXES = ("data", "fsdp", "expert")
@@ -225,8 +226,9 @@ def _all_to_all_exchange(x_tD, idx_tK, w_tK, ex, n, c, e_ax, tok_axes, impl, til
         # Unweighted (weights of 1, which XLA folds away; shaped after the rows, so that they vary over the same
         # mesh axes): each pair's weight is applied at home, inside the sum below, rather than in a pass over
         # every returned row on the experts' side.
-        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NC.reshape(n * c, 1), jnp.ones_like(x_NCD[..., :1], jnp.float32).reshape(n * c, 1),
-                             *ex, impl=impl, tile=tile, layer=layer)
+        ones_R1 = jnp.ones_like(x_NCD[..., :1], jnp.float32).reshape(n * c, 1)
+        y_RD = local_experts(x_NCD.reshape(n * c, D), lid_NC.reshape(n * c, 1), ones_R1, *ex, impl=impl, tile=tile,
+                             layer=layer)
         # Back in the activation dtype (half the bytes in bf16); the weighted sum over a token's pairs is float32.
         y_NCD = jax.lax.all_to_all(y_RD.astype(x_tD.dtype).reshape(n, c, D), e_ax, 0, 0, tiled=True)
         if t <= COMBINE_MATMUL_ROWS:  # one matmul with a [t, n·c] matrix of the weights reads the rows once
@@ -391,10 +393,7 @@ def _local_weight(w, spec, mesh, dtype):
         if first is None or spec.scales[lead + i] is not None:
             offsets.append(0)  # whole, or sharded with whole blocks: the local scales are the shard's own
             continue
-        idx = 0
-        for a in ((first,) if isinstance(first, str) else first):  # row-major over the axes, as NamedSharding
-            idx = idx * mesh.shape[a] + jax.lax.axis_index(a)
-        offsets.append(idx * math.prod(shape[d] for d in group))
+        offsets.append(shard_index(first, mesh) * math.prod(shape[d] for d in group))
     return dequantize_shard(w, offsets, dtype)
 
 

@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k2jax.ops.attention import attend_with_prefix
+from k2jax.ops.attention import attend_with_prefix, stack_halves
 from k2jax.ops.collectives import gather
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import is_quantized, materialize
-from k2jax.sharding import logical_to_spec, per_shard, split_axes
+from k2jax.sharding import cutting_axes, logical_to_spec, per_shard, shard_index, split_axes
 
 E4M3_MAX = 448.0
 TRASH_PAGE = 0
@@ -208,13 +208,10 @@ class PagedCache:
         mesh = jax.sharding.get_abstract_mesh()
         axes = self._pool_axes()
         shards = math.prod(mesh.shape[a] for a in axes)
-        t_spec = logical_to_spec(("length",), (x_LBTC.shape[2],), dict(mesh.shape))[0]
-        t_axes = tuple(a for a in ((t_spec,) if isinstance(t_spec, str) else t_spec or ()) if mesh.shape[a] > 1)
+        t_axes = cutting_axes(logical_to_spec(("length",), (x_LBTC.shape[2],), dict(mesh.shape))[0], dict(mesh.shape))
 
         def local(table_BW, lengths_B, count_B, x_LBTC, pages, *quant):
-            shard = 0
-            for a in axes:
-                shard = shard * mesh.shape[a] + jax.lax.axis_index(a)
+            shard = shard_index(axes)
             if t_axes:
                 x_LBTC = gather(x_LBTC, t_axes, 2)
                 quant = quant and (quant[0], gather(quant[1], t_axes, 2))
@@ -229,8 +226,7 @@ class PagedCache:
 
     def _pool_axes(self) -> tuple[str, ...]:
         """The mesh axes that split the pool's pages (the cache's shard axes present on the mesh)."""
-        mesh = jax.sharding.get_abstract_mesh()
-        return tuple(a for a in self.shard_axes if mesh.shape and mesh.shape.get(a, 1) > 1)
+        return cutting_axes(self.shard_axes, dict(jax.sharding.get_abstract_mesh().shape))
 
     def _per_shard(self, fn, args, dims, out_dims):
         """fn(first, *args) per shard of the pool (k2jax.sharding.per_shard) when the rows (args[0], a [B, ...]
@@ -293,8 +289,7 @@ class PagedContext:
                 w_kv_b_RNX = materialize(w_kv_b_RNX if stack is None else stack[self.layer], dt)
                 w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
             else:  # each half read out of the stack by its own product: no copy of the layer's (two readers
-                w_uk_RNK, w_uv_RNV = (stack[self.layer, ..., :K].astype(dt),  # of one slice would make one)
-                                      stack[self.layer, ..., K:].astype(dt))
+                w_uk_RNK, w_uv_RNV = stack_halves(stack, self.layer, K, dt)  # of one slice would make one)
             q_lat_BTNR = jnp.einsum("BTNK,RNK->BTNR", q_nope_BTNK, w_uk_RNK, preferred_element_type=f32)
         q_lat_BTNR = (q_lat_BTNR * scale).astype(dt)
         q_pe_BTNP = (q_pe_BTNP.astype(f32) * scale).astype(dt)
@@ -382,7 +377,7 @@ def write_pages(first, table_BW, lengths_B, count_B, x_LBTC, pages_LAYC, scales_
     def row(a, b):
         return jax.lax.dynamic_index_in_dim(a, b, 1, keepdims=False)
 
-    def page_scales(s_LY2):  # a page's latent scales, then its rope ones
+    def scales_row(s_LY2):  # [L, Y, 2] -> a page's row [L, 1, 2 * Y]: its latent scales, then its rope ones
         return s_LY2.transpose(0, 2, 1).reshape(L, 1, 2 * Y)
 
     def whole(i, state):  # row b's k-th page filled whole, from token head + k·Y on
@@ -395,7 +390,7 @@ def write_pages(first, table_BW, lengths_B, count_B, x_LBTC, pages_LAYC, scales_
         x_L1YC = jax.lax.dynamic_slice_in_dim(row(x_LBTC, b), tok, Y, axis=1)[:, None]
         pages = jax.lax.dynamic_update_slice_in_dim(pages, x_L1YC.astype(pages.dtype), page, axis=1)
         if quantized:
-            s_L2Y = page_scales(jax.lax.dynamic_slice_in_dim(row(s_LBT2, b), tok, Y, axis=1))
+            s_L2Y = scales_row(jax.lax.dynamic_slice_in_dim(row(s_LBT2, b), tok, Y, axis=1))
             scales = jax.lax.dynamic_update_slice_in_dim(scales, s_L2Y, page, axis=1)
         return pages, scales
 
@@ -403,8 +398,8 @@ def write_pages(first, table_BW, lengths_B, count_B, x_LBTC, pages_LAYC, scales_
         pages, scales = state
         b, e = i // 2, i % 2
         start, count = lengths_B[b], count_B[b]
-        w = jnp.where(e == 0, start // Y, (start + count) // Y)
-        first_tok = w * Y - start  # the new token at the page's slot 0 (negative: the page began earlier)
+        first_tok = ends_B2[b, e]  # the new token at the page's slot 0 (negative: the page began earlier)
+        w = (start + first_tok) // Y
         tok_Y = first_tok + jnp.arange(Y)
         new_Y = (tok_Y >= 0) & (tok_Y < count)
         # page 0 when the row's cache ends mid-page; page 1 when the tokens end mid-page, unless page 0 is
@@ -424,7 +419,7 @@ def write_pages(first, table_BW, lengths_B, count_B, x_LBTC, pages_LAYC, scales_
         merged = jnp.where(new_Y[None, None, :, None], x_LYC[:, None].astype(pages.dtype), old)
         pages = jax.lax.dynamic_update_slice_in_dim(pages, merged, page, axis=1)
         if quantized:
-            s_L2Y = page_scales(slots(s_edges))
+            s_L2Y = scales_row(slots(s_edges))
             old_s = jax.lax.dynamic_slice_in_dim(scales, page, 1, axis=1)
             merged_s = jnp.where(jnp.concatenate([new_Y, new_Y])[None, None, :], s_L2Y, old_s)
             scales = jax.lax.dynamic_update_slice_in_dim(scales, merged_s, page, axis=1)

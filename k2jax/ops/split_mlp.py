@@ -27,11 +27,11 @@ from k2jax.ops.matmul import einsum
 from k2jax.sharding import rings
 
 
-def group_rings(F: int, t: int, n: int, ring_sizes: tuple[int, ...]) -> int:
+def group_rings(F: int, t: int, ring_sizes: tuple[int, ...]) -> int:
     """How many of the axis's rings (minor first) make a token group: the number j whose group size k (the
     product of the j minor rings) moves the least, 3·F/k + 2·k·t values of D a device (no token term for
     k = 1). ring_sizes: major first, as k2jax.sharding.rings gives them."""
-    minor_first = [s for s in reversed(ring_sizes)]
+    minor_first = list(reversed(ring_sizes))
     best, best_j, k = None, 0, 1
     for j in range(len(minor_first) + 1):
         if j:
@@ -47,7 +47,7 @@ def swiglu_split_tokens(x_BTD, gate_DF, up_DF, down_FD, axis: str, dtype):
     split over it along F (gate, up [D, F], down [F, D]); -> [B, T, D] split the same way, in dtype."""
     mesh = jax.sharding.get_abstract_mesh()
     n, T, F = mesh.shape[axis], x_BTD.shape[1], gate_DF.shape[1]
-    j = group_rings(F, T // n, n, rings(axis, n))
+    j = group_rings(F, T // n, rings(axis, n))
     tokens, weights = ring_steps(axis, n, 0, j), ring_steps(axis, n, j)
 
     def local(x, gate, up, down):
