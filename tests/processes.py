@@ -6,8 +6,35 @@ Python's buffer fills mid-line, and the line no longer parses."""
 
 import contextlib
 import json
+import random
+import socket
 import subprocess
 import tempfile
+
+# Loopback ports for test servers and coordinators come from below the kernel's ephemeral range (32768-60999
+# on Linux), where neither bind(("", 0)) nor an outgoing connection can take them between our pick and the
+# server's bind. Test files run two at a time, each picking at random from 12,000 ports, and one process
+# never hands out the same port twice: two `bind(0)` picks in a row could (a coordinator then answered a
+# server's health check in gRPC).
+_PORTS = range(20000, 32000)
+_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """-> a loopback TCP port that binds now and that this process has not handed out before."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
 def run_all(argvs: list[list[str]], envs: list[dict], timeout: float, cwd=None) -> list[str]:

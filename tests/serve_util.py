@@ -4,15 +4,16 @@ as a subprocess on a free loopback port, and the solo reference (k2jax.generate)
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 from tests.conftest import CONFIGS, REPO
+from tests.processes import free_port  # noqa: F401  (the serving tests' import)
 
 TINY = json.loads((CONFIGS / "tiny.json").read_text())
 CFG = TINY | {"vocab_size": 1024}  # room for the demo tokenizer's 1012 ids
@@ -20,11 +21,6 @@ MERGES = 500
 START_TIMEOUT_S = 420  # load + compile; several minutes on 2 busy cores
 NMAX = 32  # the most tokens a test asks for
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model(root):
@@ -58,6 +54,8 @@ def wait_ready(port: int, procs, timeout: float = START_TIMEOUT_S) -> None:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return
+        except http.client.HTTPException as e:  # something else holds the port
+            raise RuntimeError(f"port {port} answers, but not as the server's HTTP: {e!r}") from e
         except OSError:
             time.sleep(0.3)
     raise RuntimeError(f"server not up after {timeout} s")

@@ -27,13 +27,10 @@ import threading
 import time
 import urllib.parse
 
+from tests.processes import free_port
+
 BUCKET = "k2jax-test"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server(http.server.ThreadingHTTPServer):

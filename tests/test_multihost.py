@@ -7,7 +7,6 @@ killed if anything fails."""
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import k2jax
 from k2jax.checkpoint.convert import main as convert_main
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS, REPO
-from tests.processes import result, run_all
+from tests.processes import free_port, result, run_all
 
 TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 3 layers (1 dense, 2 MoE), 8 experts
 PROMPTS = [[5, 6, 7], list(range(20, 31)), [42], [1, 2, 3, 4, 5]]
@@ -28,16 +27,11 @@ MESHES = ["expert=8", "data=2,expert=4"]  # the batch split across the processes
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_two(argv_of_rank, timeout=TIMEOUT_S) -> list[str]:
     """Start two processes (argv_of_rank(rank, port)), 4 CPU devices each; -> their outputs. Fails (after
     killing both) if either exits non-zero or they overrun `timeout` seconds together."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     return run_all([argv_of_rank(rank, port) for rank in range(2)], [env, env], timeout, cwd=REPO)

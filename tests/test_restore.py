@@ -7,7 +7,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import sys
 import tracemalloc
 
@@ -24,7 +23,7 @@ from k2jax.placement import param_shardings
 from k2jax.sharding import make_mesh, use_mesh
 from k2jax.testing import write_release_checkpoint
 from tests.conftest import CONFIGS
-from tests.processes import result, run_all
+from tests.processes import free_port, result, run_all
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = json.loads((CONFIGS / "tiny.json").read_text())  # 8 experts, top-2, 3 layers (2 MoE)
@@ -273,14 +272,9 @@ print("RESULT", json.dumps({
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
 
 def test_each_process_reads_only_the_shards_its_devices_hold(wide):
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     # rchar counts every read of the process: XLA's persistent compilation cache would add its entries' bytes
     # (4 MB measured) to the checkpoint's.
