@@ -119,3 +119,59 @@ def test_drafts_are_verified_in_a_step_of_their_own_and_never_preempt():
     a.draft = None  # a row that cannot be verified: a plain decode step
     call = sched.plan_ragged()
     assert not call.shape.verify and not call.drafts and [n for _, n in call.rows][0] == 1
+
+
+def test_beside_decoding_rows_a_chunk_is_cut_to_its_modeled_time_prefix_included():
+    """With the steps' times (base + per cached token, set by hand here), a chunk beside a decoding row is the
+    largest region whose modeled step fits RAGGED_FILL of a first chunk of prefill_chunk tokens; as the
+    prompt's cached prefix grows its chunks shrink, down to the smallest region (it still goes on). While
+    none decodes, a chunk is idle_chunk tokens whatever it costs."""
+    from k2jax.runtime.scheduler import RAGGED_FILL
+
+    pool = PagePool(600, 1, PAGE, False)
+    sched = Scheduler(2, pool, max_len=4096, prefill_chunk=512, ragged_block=16)
+    sizes = [64, 128, 256, 512]
+    regions = [RaggedShape(2, t // 16, 16, 2, 4096 // PAGE) for t in sizes]
+    assert sched.timed_shapes() == regions
+    assert [sched.timing_prefix(r) for r in regions] == [4096 - t for t in sizes]
+    model = {t: (t / 64, t / 64 / 300) for t in sizes}  # seconds: base, per cached token
+    sched.ragged_s = {r: model[t] for r, t in zip(regions, sizes)}
+    budget = RAGGED_FILL * model[512][0]
+
+    def want(cached, pending):  # the largest region that fits, computed from the model directly
+        fits = [t for t in sizes if model[t][0] + model[t][1] * cached <= budget]
+        return min(pending, max(fits) if fits else 64)
+
+    a, b = _seq(3), _seq(3000, start=10)
+    sched.add(a)
+    sched.admit()
+    _ran(sched, sched.plan_ragged())
+    assert a.decoding
+    sched.add(b)
+    sched.admit()
+    fed = []
+    while not b.decoding:
+        call = sched.plan_ragged()
+        n = call.rows[b.slot][1]
+        assert n == want(b.cached, b.pending), (b.cached, n)
+        assert call.rows[a.slot][1] == 1
+        fed.append(n)
+        _ran(sched, call)
+    assert fed[0] == 256 and 128 in fed and fed[-2] == 64  # every size the model allows, in turn
+    assert sum(fed) == 3000
+
+    c = _seq(3000, start=20)  # alone: the idle chunk, whatever it costs
+    sched.finish(a)
+    sched.finish(b)
+    sched.add(c)
+    sched.admit()
+    _ran(sched, sched.plan_ragged())
+    assert c.cached == 512
+    sched.ragged_s = {}  # untimed: prefill_chunk tokens beside a decoding row
+    d = _seq(900, start=30)
+    while not c.decoding:
+        _ran(sched, sched.plan_ragged())
+    sched.add(d)
+    sched.admit()
+    call = sched.plan_ragged()
+    assert call.rows[d.slot][1] == 512

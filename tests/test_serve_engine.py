@@ -288,6 +288,9 @@ def test_no_recompiles_after_warm_up(model_params):
     eng = _engine(model_params, max_len=48)
     eng.warm_up()
     before = compiles.count()
+    # the ragged steps' time model is measured (its prefix-reading steps compile nothing new) and then used
+    assert set(eng.sched.ragged_s) == set(eng.sched.timed_shapes()) != set()
+    assert all(base > 0 and per_token >= 0 for base, per_token in eng.sched.ragged_s.values())
     rng = np.random.default_rng(5)
     pending = []
     for wave in range(4):

@@ -27,7 +27,7 @@ import numpy as np
 
 from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
-from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedInput, RaggedShape, StepInput
+from k2jax.runtime.layout import DEFAULT_BLOCK, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput, lay_out
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
@@ -235,21 +235,44 @@ class Engine:
             timed = self.sched.timed_shapes()
             if note is not None and timed:
                 note(f"compiled in {time.perf_counter() - t0:.1f} s; timing {len(set(timed))} of the steps")
-            self.sched.step_s = self.time_steps(timed)
+            if self.ragged:
+                self.sched.ragged_s = self.time_regions(timed)
+            else:
+                self.sched.step_s = self.time_steps(timed)
             if self.proposer is not None:  # what a verifying step costs against a plain decode
                 self.spec_step_s = self.time_steps([sh for sh in self.sched.shapes() if sh.blocks == 0])
         return time.perf_counter() - t0
 
-    def time_steps(self, shapes, repeats: int = 2) -> dict:
+    def time_regions(self, shapes) -> dict:
+        """Scheduler.ragged_s for the chunk-region shapes: {shape: (seconds with no cached prefix, seconds
+        per cached token)}, the second from a step whose one chunk fills the region over
+        Scheduler.timing_prefix(shape) cached tokens (the trash pages, read as a real prefix would be)."""
+        base = self.time_steps(shapes)
+        longer = self.time_steps(shapes, prefix=True)
+        out = {}
+        for shape in base:
+            n = self.sched.timing_prefix(shape)
+            out[shape] = (base[shape], max(0.0, longer[shape] - base[shape]) / n if n else 0.0)
+        return out
+
+    def time_steps(self, shapes, repeats: int = 2, prefix: bool = False) -> dict:
         """{shape: seconds} of one step of each shape on a batch that writes nothing (the fastest of
-        `repeats` after a first run). Call before any request runs (the steps overwrite the trash pages).
-        Under jax.distributed every process takes process 0's times: their schedulers must decide alike."""
+        `repeats` after a first run); prefix (chunk-region ragged shapes): one row's chunk fills the region
+        over Scheduler.timing_prefix(shape) cached tokens, all in the trash page. Call before any request
+        runs (the steps overwrite the trash pages). Under jax.distributed every process takes process 0's
+        times: their schedulers must decide alike."""
         shapes = sorted(shapes)
         times, rng = [], np.random.default_rng(0)
         for shape in shapes:
             batch = neutral_batch(shape, self.model.cfg.vocab_size)
+            if prefix:
+                n, cached = shape.blocks * shape.block, self.sched.timing_prefix(shape)
+                pages = (TRASH_PAGE,) * -(-(cached + n) // self.pool.page_size)
+                for k, v in lay_out(shape, {0: Feed((0,) * n, cached, pages)}).items():
+                    getattr(batch, k)[...] = v
             # Tokens spread over the vocabulary, so the router spreads them over the experts as real text
-            # does (one id repeated would send every token to the same few); count 0: nothing is written.
+            # does (one id repeated would send every token to the same few). A neutral batch writes nothing;
+            # a prefix batch writes only into the trash page, which no request reads.
             batch.tokens[:] = rng.integers(0, self.model.cfg.vocab_size, batch.tokens.shape)
             best = float("inf")
             for i in range(repeats + 1):

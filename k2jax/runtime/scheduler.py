@@ -20,6 +20,11 @@ fit the step's token budget), and takes back what each row sampled.
   (it goes on). While none decodes, the first chunks of all waiting prompts run in one batch, and a lone
   prompt takes chunks of up to `idle_chunk` tokens (nobody waits on it, and a longer chunk runs at a better
   rate: its experts see more tokens each, and fewer later chunks re-read the prefix).
+- Ragged steps are bounded the same way by a model of their time (`ragged_s`, which the engine measures at
+  warm-up): a chunk-region shape's time with no cached prefix, plus its time per token of the longest cached
+  prefix a chunk in it re-reads (the chunk region's online softmax visits every block for as many visits as
+  that row needs, k2jax.ops.ragged). Beside decoding rows, a step's chunks are cut so that the model puts it
+  within RAGGED_FILL of one first chunk of `prefill_chunk` tokens (the same decoding rows ride in both).
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -48,6 +53,10 @@ _ORDER = itertools.count()
 # fill. A step's time varies around its warm-up time: measured on the bench config, a 4000-token prompt
 # prefilled beside a decoding stream, each step's wall time was 0.82-1.17x the sum of its calls' timed steps.
 STALL_FILL = 0.85
+# The same for a ragged step, whose chunks are cut by its modeled time (`ragged_s`). Measured with
+# bench/runtime.py (a stream decoding while a 4000-token prompt prefills, its inter-token gaps' p99 against a
+# first 512-token chunk alone): 0.85 -> 0.77x, 0.9 -> 0.86x, 1.0 -> 1.11x.
+RAGGED_FILL = 0.9
 
 
 @dataclasses.dataclass(eq=False)
@@ -192,6 +201,10 @@ class Scheduler:
         # decode region of up to every slot's token and its speculative_tokens drafts.
         self.spec = speculative_tokens
         self.verify_sizes = pow2_upto(slots * (1 + self.spec), lo=max(2, slots // 8)) if self.spec else []
+        # {chunk-region RaggedShape: (seconds with no cached prefix, seconds per token of the longest cached
+        # prefix a chunk in it reads)}, see `timed_shapes`; empty: chunks of prefill_chunk tokens whatever
+        # they cost.
+        self.ragged_s: dict[RaggedShape, tuple[float, float]] = {}
 
     # --- shapes ----------------------------------------------------------------------------------------
     def table_pages(self, read: int, tokens: int) -> int:
@@ -211,12 +224,34 @@ class Scheduler:
                 for T in self.later_sizes]  # a later chunk
         return sorted(set(out))
 
-    def timed_shapes(self) -> list[StepShape]:
-        """The shapes whose times the stall bound weighs (`step_s`): every decode, and one row's chunks of up
-        to prefill_chunk tokens. None for ragged steps: a step's chunk tokens are bounded instead."""
-        if not self.stall_bound or self.block is not None:
+    def timed_shapes(self) -> list:
+        """The shapes whose times the stall bound weighs: for rectangular steps (`step_s`) every decode and one
+        row's chunks of up to prefill_chunk tokens; for ragged steps (`ragged_s`, timed with no prefix and
+        with `timing_prefix(shape)` cached tokens) the chunk regions of up to prefill_chunk tokens."""
+        if not self.stall_bound:
             return []
+        if self.block is not None:
+            return [self._region_shape(t) for t in self.region_sizes if t <= self._first_region()]
         return [s for s in self.shapes() if s.tokens == 1 or (s.rows == 1 and s.tokens <= self._first_size())]
+
+    def timing_prefix(self, shape: RaggedShape) -> int:
+        """The cached tokens a chunk-region shape is timed over for its per-token cost: the most a row can
+        hold before a chunk of the region's size, in whole pages (0: too short a max_len to tell)."""
+        n = self.max_pages * self.page_size - shape.blocks * shape.block
+        return max(0, n // self.page_size * self.page_size)
+
+    def ragged_time(self, tokens: int, cached: int) -> float:
+        """Modeled seconds of a ragged step whose chunks take `tokens` tokens (whole blocks) and whose longest
+        chunk's cached prefix is `cached` tokens (`ragged_s`)."""
+        base, per_token = self.ragged_s[self._region_shape(bucket(tokens, self.region_sizes))]
+        return base + per_token * cached
+
+    def _region_shape(self, tokens: int) -> RaggedShape:
+        return RaggedShape(self.slots, tokens // self.block, self.block, self.slots, self.max_pages)
+
+    def _first_region(self) -> int:
+        """The chunk region of one first chunk of prefill_chunk tokens."""
+        return bucket(blocks_for(self.chunk, self.block) * self.block, self.region_sizes)
 
     def stall_budget_s(self) -> float | None:
         """What a step beside decoding rows may take: a first chunk of prefill_chunk tokens' time (None until
@@ -329,16 +364,7 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
-        left = max(G, (self.chunk if decoding else self.idle) // G * G)
-        chunks = []
-        for s in prefilling:
-            n = min(s.pending, left)
-            if n <= 0:
-                break
-            chunks.append((s, n))
-            left -= blocks_for(n, G) * G
-            if n < s.pending:
-                break
+        chunks = self._ragged_chunks(prefilling, bool(decoding))
         verify = (self.spec and not chunks and all(s.draft is not None for s in decoding)
                   and any(s.draft for s in decoding))
         for s, n in chunks + [(s, 1) for s in decoding]:
@@ -364,6 +390,41 @@ class Scheduler:
             shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots,
                                 self.max_pages)
         return RaggedCall(shape, rows, drafts)
+
+    def _ragged_chunks(self, prefilling: list[Seq], decoding: bool) -> list[tuple[Seq, int]]:
+        """A ragged step's chunks, (seq, tokens) each, first come first served: at most prefill_chunk tokens
+        in whole blocks (idle_chunk while none decodes). Beside decoding rows, once `ragged_s` holds the
+        steps' times, each chunk is the most tokens whose step, with the chunks before it, the model puts
+        within RAGGED_FILL of a first chunk of prefill_chunk tokens (a later chunk re-reads its cached
+        prefix); at least the smallest chunk of the first prompt waiting (it goes on)."""
+        G = self.block
+        left = max(G, (self.chunk if decoding else self.idle) // G * G)
+        timed = decoding and bool(self.ragged_s)
+        if timed:
+            budget = RAGGED_FILL * self.ragged_time(self._first_region(), 0)
+        chunks, used, reread = [], 0, 0
+        for s in prefilling:
+            n = min(s.pending, left)
+            if n <= 0:
+                break
+            if timed:
+                # The sizes that end on a region size, and the whole rest of the prompt.
+                sizes = sorted({min(n, t - used) for t in self.region_sizes if t > used})
+                fits = [m for m in sizes if self.ragged_time(used + blocks_for(m, G) * G,
+                                                             max(reread, s.cached)) <= budget]
+                if fits:
+                    n = fits[-1]
+                elif not chunks:
+                    n = sizes[0]
+                else:
+                    break
+            chunks.append((s, n))
+            left -= blocks_for(n, G) * G
+            used += blocks_for(n, G) * G
+            reread = max(reread, s.cached)
+            if n < s.pending:
+                break
+        return chunks
 
     def decode_shape(self, tokens: int, verify: bool = False) -> RaggedShape:
         """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens (a verifying
