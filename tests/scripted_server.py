@@ -35,18 +35,26 @@ class ScriptedRunner:
         self.kv_dtype = "float32"
         self.state = {"pages": np.zeros((num_pages, page_size), np.float32), "scales": np.zeros(1, np.float32)}
         self._prompts: dict[int, list[int]] = {}  # slot -> the prompt ids seen so far
+        self._seeds = [0] * slots  # slot -> its request's seed (set_sampling)
 
     def compile(self, shapes, on_progress=None, on_start=None) -> float:
         return 0.0
 
+    def neutral_mask(self, shape):
+        return None
+
+    def set_sampling(self, settings) -> None:
+        for slot, kw in settings.items():
+            self._seeds[slot] = kw.get("seed", 0)
+
     def step(self, shape, batch) -> dict:
         import jax.numpy as jnp
 
-        samp = batch.samp
         B = shape.rows
         tokens = np.zeros(B, np.int32)
         for b in range(B):
-            seed, step = int(samp["seed"][b]), int(samp["step"][b])
+            slot = b if hasattr(batch, "row") else int(batch.slot[b])
+            seed, step = self._seeds[slot], int(batch.step[b])
             script = self.scripts.get(seed, [])
             tokens[b] = script[step] if step < len(script) else self.end_id
             self._record(b, batch, seed)

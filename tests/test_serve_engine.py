@@ -309,6 +309,26 @@ def test_no_recompiles_after_warm_up(model_params):
     assert compiles.count() == before, f"{compiles.count() - before} compilations after warm-up"
 
 
+def test_a_slots_sampling_settings_are_sent_once_and_a_reused_slot_takes_the_new_ones(model_params, solo):
+    """The settings live on the device per slot: sent when a request takes the slot, not with every step. One
+    slot serves a sampled request, then a greedy one: each gives generate's tokens for its own settings. With
+    no grammar row, a step's mask is the one already on the device."""
+    model, params = model_params
+    eng = _engine(model_params, max_batch=1)
+    sent, masks = [], []
+    put, step = eng.runner.set_sampling, eng.runner.step
+    eng.runner.set_sampling = lambda settings: (sent.append(sorted(settings)) if settings else None) or put(settings)
+    eng.runner.step = lambda shape, batch: masks.append(isinstance(batch.bitmask, jax.Array)) or step(shape, batch)
+    a, b = _prompts(8, (6, 9))
+    got_a = _run(eng, [a], temperature=1.0, seed=11)[0][0]
+    got_b = _run(eng, [b])[0][0]
+    want_a = [int(t) for t in k2jax.generate(model, params, [a], N, max_len=64, temperature=1.0, seed=11)[0][0]]
+    assert got_a == want_a and got_a != solo(a)  # sampled with its own seed, not greedy
+    assert got_b == solo(b)  # the slot no longer samples
+    assert sent == [[0], [0]], sent  # once per request, though each ran N steps
+    assert len(masks) >= 2 * N and all(masks)
+
+
 def e4m3_round_trip(x):
     """An e4m3 round trip written out in float64: a scale amax / 448 per token, 3 mantissa bits rounded half
     to even, exponents clipped at e4m3's smallest normal (2^-6; subnormals step 2^-9)."""

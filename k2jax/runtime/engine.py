@@ -68,8 +68,9 @@ class Engine:
 
     Ragged steps (config.ragged; the default on one device): each engine step is one ragged step over every
     decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes) tokens, in a
-    handful of programs whatever the cache lengths; the stall bound does not apply (a step's chunk tokens are
-    bounded instead). Otherwise the rectangular steps: one per chunk, and one decode.
+    handful of programs whatever the cache lengths; with the stall bound, warm_up times each chunk region
+    with and without a cached prefix, and the chunks beside decoding rows are cut by that model of a step's
+    time (Scheduler.ragged_s). Otherwise the rectangular steps: one per chunk, and one decode.
 
     Speculative decoding (config.speculative, ragged steps only): each step where no prompt chunk runs, every
     decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
@@ -120,6 +121,8 @@ class Engine:
                                speculative_tokens=self.spec_tokens)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
+        # The sequence whose sampling settings each slot holds on the device (sent when another takes it).
+        self._slot_seq: list[Seq | None] = [None] * slots
         self._inbox: list[Request] = []
         self._cancels: set[int] = set()
         self._aborting = False  # abort_all: every request, and any submitted later, ends with "abort"
@@ -147,7 +150,7 @@ class Engine:
             raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the KV cache pool ({self.pool.capacity() * self.pool.page_size} tokens "
                              f"per data-parallel shard; --kv-tokens / --kv-memory set it)")
-        sampling.set_row(sampling.default_rows(1), 0, **self._row_settings(params, 0))  # raises on bad values
+        sampling.set_row(sampling.default_rows(1), 0, **self._row_settings(params))  # raises on bad values
 
     def submit(self, *reqs: Request) -> None:
         """Queue requests, all or none (each checked first). Raises ValueError for a bad one, QueueFull when
@@ -429,14 +432,24 @@ class Engine:
             q.draft, q.shadow = q.draft[:best_k], (q.draft if not best_k else [])
 
     def _sampling(self, call: Call, batch: StepInput | RaggedInput) -> None:
-        """Each sampling row's settings and grammar mask."""
+        """Each row's generated count and grammar mask; the settings of a slot that a new sequence holds go
+        to the device (Runner.set_sampling) before the step, the only time they are sent. A step with no
+        grammar row takes the runner's all-allowed mask already on the device."""
+        fresh, masked = {}, False
         for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
             if seq is None:
                 continue
             r = seq.req
-            sampling.set_row(batch.samp, i, **self._row_settings(r.params, seq.generated))
+            batch.step[i] = seq.generated
+            if self._slot_seq[seq.slot] is not seq:
+                self._slot_seq[seq.slot] = seq
+                fresh[seq.slot] = self._row_settings(r.params)
             if samples and r.matcher is not None:
                 r.matcher.fill_bitmask(batch.bitmask[i])
+                masked = True
+        self.runner.set_sampling(fresh)
+        if not masked:
+            batch.bitmask = self.runner.neutral_mask(call.shape)
 
     def _targets(self, call: Call, batch: StepInput | RaggedInput) -> list[tuple]:
         """Set the targets of the rows that score their prompt (each fed prompt token's successor, for the
@@ -478,9 +491,9 @@ class Engine:
         r.prompt_lp_sent = True
         return r.prompt_lp
 
-    def _row_settings(self, p: SamplingParams, step: int) -> dict:
+    def _row_settings(self, p: SamplingParams) -> dict:
         return dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed % 2**32,
-                    step=step, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                     repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens,
                     stop_ids=p.stop_ids[:sampling.MAX_STOP_IDS] if p.min_tokens else (),
                     logit_bias=p.logit_bias, top_logprobs=p.logprobs or 0, vocab_size=self.model.cfg.vocab_size)

@@ -124,9 +124,9 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
                 batch.targets[b, :len(p) - 1] = p[1:]
         batch = batch.replace(slot=np.arange(B, dtype=np.int32), count=lens, table=table, prompt_len=lens,
                               reset=np.ones(B, bool))
-    for b in range(B):
-        sampling.set_row(batch.samp, b, temperature=temperature, top_k=top_k or 0,
-                         top_p=1.0 if top_p is None else top_p, seed=(seed + b) % 2**32)
+    settings = {b: dict(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+                        seed=(seed + b) % 2**32) for b in range(B)}  # row b is slot b
+    sampling.set_row(sampling.default_rows(1), 0, **settings[0])  # a bad setting raises before any compile
     stop = np.asarray(stop_tokens or (-1,), np.int32)
     if ragged:  # one token per row, its own row: the decode region
         shapes = [prefill, RaggedShape(B, 0, G, B, W)]
@@ -134,6 +134,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
         shapes = [prefill] + [StepShape(B, 1, w, W) for w in _read_buckets(W)]
     t0 = time.perf_counter()
     runner.compile(shapes)
+    runner.set_sampling(settings)
     t1 = time.perf_counter()
     out = runner.step(prefill, batch)
     scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs,
@@ -148,7 +149,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     steps, active = 0, np.ones(B, bool)
     if ragged:
         decode = ragged_host_batch(shapes[1], cfg.vocab_size).replace(
-            samp=batch.samp, prompt_len=lens, table=table, row=np.arange(B, dtype=np.int32),
+            prompt_len=lens, table=table, row=np.arange(B, dtype=np.int32),
             valid=np.ones(B, bool), last=np.arange(B, dtype=np.int32), count=np.ones(B, np.int32))
     else:
         decode = batch.replace(targets=np.full((B, 1), -1, np.int32), count=np.ones(B, np.int32),
@@ -159,7 +160,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
             if not active.any():
                 break
         held = int(lens.max()) + step - 1  # tokens each row holds before this step (the longest row)
-        decode = decode.replace(lengths=lens + step - 1, samp=dict(decode.samp, step=np.full(B, step, np.int32)))
+        decode = decode.replace(lengths=lens + step - 1, step=np.full(B, step, np.int32))
         if ragged:
             shape = shapes[1]
             decode = decode.replace(pos=decode.lengths, tokens=out["tokens"])

@@ -71,8 +71,9 @@ class StepInput(_Input):
     the per-slot sampling state), its next tokens [B, T] (a prefix of count[b] real ones), its page table
     [B, W] and the tokens it holds (lengths), its prompt's length (tokens past it are the row's own output:
     the penalties count them), whether its slot starts afresh (reset: a new request), the grammar's allowed
-    tokens (bitmask [B, V / 32] int32, -1 = all), its sampling settings (samp: k2jax.runtime.sampling's
-    rows), and the token each fed token predicts, to be scored (targets [B, T], -1 = none)."""
+    tokens (bitmask [B, V / 32] int32, -1 = all), the tokens it has generated (step [B]: its draw's key and
+    min_tokens; the rest of its sampling settings the runner keeps per slot on the device,
+    Runner.set_sampling), and the token each fed token predicts, to be scored (targets [B, T], -1 = none)."""
 
     slot: np.ndarray
     tokens: np.ndarray
@@ -82,7 +83,7 @@ class StepInput(_Input):
     prompt_len: np.ndarray
     reset: np.ndarray
     bitmask: np.ndarray
-    samp: dict
+    step: np.ndarray
     targets: np.ndarray
 
 
@@ -90,7 +91,7 @@ class StepInput(_Input):
 class RaggedInput(_Input):
     """A ragged step's inputs: per flat token of T (`lay_out`'s) tokens, row, pos, valid and targets; per row
     b of B (= slot b) table [B, W], lengths, count, last (the flat index of its last fed token), prompt_len
-    and reset; bitmask and samp as StepInput's."""
+    and reset; bitmask and step as StepInput's."""
 
     tokens: np.ndarray
     row: np.ndarray
@@ -104,7 +105,7 @@ class RaggedInput(_Input):
     prompt_len: np.ndarray
     reset: np.ndarray
     bitmask: np.ndarray
-    samp: dict
+    step: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)

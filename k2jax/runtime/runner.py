@@ -4,11 +4,12 @@ next token sampled. `k2jax.generate` and `k2jax serve` run the same step on the 
 A step takes a k2jax.runtime.layout.StepInput, per row b: its slot (the row of the per-slot sampling state),
 its next tokens (a prefix of count[b] real ones, right-padded to T), its page table and how many tokens it
 already holds (lengths[b]), how long its prompt is (tokens before that are prompt, the rest the row's own
-output: the penalties count them), whether its slot starts afresh (reset: a new request), and its sampling
-settings (k2jax.runtime.sampling). It returns the token sampled from the logits at each row's last real token,
-its logprob and the top logprobs, and, for rows given targets (the next token of each fed prompt token), those
-tokens' logprobs under the model's own log-softmax (a prompt's logprobs: scoring, lm-eval's loglikelihood).
-What the step computes follows from its shapes: rows B, tokens per row T
+output: the penalties count them), whether its slot starts afresh (reset: a new request), and how many tokens
+it has generated (its draw's key; the slot's other sampling settings, k2jax.runtime.sampling, stay on the
+device from `set_sampling`, sent when a request takes the slot). It returns the token sampled from the logits
+at each row's last real token, its logprob and the top logprobs, and, for rows given targets (the next token
+of each fed prompt token), those tokens' logprobs under the model's own log-softmax (a prompt's logprobs:
+scoring, lm-eval's loglikelihood). What the step computes follows from its shapes: rows B, tokens per row T
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
 
@@ -19,7 +20,7 @@ step (speculative decoding: RaggedShape.verify) samples at every decode token, e
 after it in its row, and says how many tokens each row outputs (`_verify`).
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
-prompt-token mask [slots, V] bool for the penalties.
+prompt-token mask [slots, V] bool for the penalties, and each slot's sampling settings.
 
 Rows of a step split over the data-parallel shards when their count is a multiple of the shard count (row b
 then belongs to shard b // (B / shards), and its slot and pages must lie in that shard); any other batch
@@ -55,7 +56,7 @@ def host_batch(shape: StepShape, vocab_size: int) -> StepInput:
     return StepInput(slot=np.zeros(B, np.int32), tokens=np.zeros((B, shape.tokens), np.int32),
                      count=np.zeros(B, np.int32), table=np.zeros((B, shape.table_pages), np.int32),
                      lengths=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32), reset=np.zeros(B, bool),
-                     bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), samp=sampling.default_rows(B),
+                     bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), step=np.zeros(B, np.int32),
                      targets=np.full((B, shape.tokens), -1, np.int32))
 
 
@@ -67,7 +68,7 @@ def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
                        table=np.zeros((B, shape.table_pages), np.int32), lengths=np.zeros(B, np.int32),
                        count=np.zeros(B, np.int32), last=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32),
                        reset=np.zeros(B, bool), bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32),
-                       samp=sampling.default_rows(B))
+                       step=np.zeros(B, np.int32))
 
 
 def neutral_batch(shape, vocab_size: int) -> StepInput | RaggedInput:
@@ -105,6 +106,8 @@ class Runner:
         self.num_pages = num_pages
         self.pad = token_width(self.cfg, lane(mesh)) - token_width(self.cfg)  # a TPU pool's (k2jax.ops.paged)
         self._compiled: dict[StepShape, object] = {}
+        self._set_samp = None  # set_sampling's program (compiled with the first steps)
+        self._masks: dict = {}  # {shape: neutral_mask(shape)}
         if abstract:
             self.state = state_shapes(self.cfg, slots, num_pages, page_size, self.kv_dtype, mesh)
             return
@@ -114,7 +117,8 @@ class Runner:
             V = self.cfg.vocab_size
             self.state = {"pages": pages, "scales": scales,
                           "counts": jnp.zeros((slots, V), jnp.int32, device=sh),
-                          "seen": jnp.zeros((slots, V), bool, device=sh)}
+                          "seen": jnp.zeros((slots, V), bool, device=sh),
+                          "samp": {k: jnp.asarray(v, device=sh) for k, v in slot_settings(slots).items()}}
 
     def _context(self):
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
@@ -134,10 +138,12 @@ class Runner:
         in_prompt_BT = valid_BT & (pos_BT < batch.prompt_len[:, None])
         seen_BV = sampling.mark_prompt(seen_BV, batch.tokens, in_prompt_BT)
         counts_BV = _add_counts(counts_BV, batch.tokens, valid_BT & ~in_prompt_BT)
-        out = sampling.sample_rows(logits_BV, batch.samp, counts_BV, seen_BV, batch.bitmask)
+        out = sampling.sample_rows(logits_BV, self._settings(state, batch.slot) | {"step": batch.step}, counts_BV,
+                                   seen_BV, batch.bitmask)
         write_B = (count_B > 0) | batch.reset
         counts, seen = self._write_rows(state, batch.slot, write_B, counts_BV, seen_BV)
-        return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen}, out | scores
+        return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen,
+                "samp": state["samp"]}, out | scores
 
     def _ragged(self, params, state, batch, shape: RaggedShape):
         """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
@@ -157,11 +163,13 @@ class Runner:
         in_prompt_T = valid_T & (batch.pos < batch.prompt_len[row_T])
         seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
+        samp = state["samp"] | {"step": batch.step}  # row b is slot b
         if shape.verify:
-            out = _verify(logits_1BV[0], batch)
+            out = _verify(logits_1BV[0], batch, samp)
         else:
-            out = sampling.sample_rows(logits_1BV[0], batch.samp, counts_BV, seen_BV, batch.bitmask)
-        return {"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV}, out | scores
+            out = sampling.sample_rows(logits_1BV[0], samp, counts_BV, seen_BV, batch.bitmask)
+        return ({"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV,
+                 "samp": state["samp"]}, out | scores)
 
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
         """The prompt_* outputs (see `step`): computed only when some row has a target."""
@@ -179,10 +187,14 @@ class Runner:
         out = jax.lax.cond(jnp.any(targets_BT >= 0), score, skip)
         return {"prompt_" + k: v for k, v in out.items()}
 
+    def _slot_split(self, rows: int) -> tuple[tuple[str, ...], int]:
+        """(the mesh axes a step of `rows` rows splits over, the slots each of their shards holds)."""
+        axes = split_axes(self.shard_axes, rows)
+        return axes, self.slots // (math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1)
+
     def _rows(self, state, slot_B, reset_B):
         """The per-slot state of the step's rows ([B, V] each), zero where reset."""
-        axes = split_axes(self.shard_axes, slot_B.shape[0])
-        per = self.slots // (math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1)
+        axes, per = self._slot_split(slot_B.shape[0])
 
         def local(shard, slot_B, reset_B, counts, seen):
             i_B = slot_B - shard * per
@@ -191,9 +203,20 @@ class Runner:
 
         return per_shard(local, (slot_B, reset_B, state["counts"], state["seen"]), (0, 0, 0, 0), (0, 0), axes)
 
+    def _settings(self, state, slot_B) -> dict:
+        """The sampling settings of the step's rows, read from their slots' (set_sampling's), step apart."""
+        axes, per = self._slot_split(slot_B.shape[0])
+        names = sorted(state["samp"])
+
+        def local(shard, slot_B, *fields):
+            return tuple(f[slot_B - shard * per] for f in fields)
+
+        got = per_shard(local, (slot_B, *(state["samp"][k] for k in names)), (0,) * (1 + len(names)),
+                        (0,) * len(names), axes)
+        return dict(zip(names, got))
+
     def _write_rows(self, state, slot_B, write_B, counts_BV, seen_BV):
-        axes = split_axes(self.shard_axes, slot_B.shape[0])
-        per = self.slots // (math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes) if axes else 1)
+        axes, per = self._slot_split(slot_B.shape[0])
 
         def local(shard, slot_B, write_B, counts_BV, seen_BV, counts, seen):
             i_B = jnp.where(write_B, slot_B - shard * per, counts.shape[0])  # rows not written: dropped
@@ -246,8 +269,10 @@ class Runner:
         on `threads` threads at once (default: the CPU count, at most 4): XLA compiles one program on one core."""
         t0 = time.perf_counter()
         todo = [s for s in dict.fromkeys(shapes) if s not in self._compiled]
+        if self._set_samp is None and not isinstance(self.state["counts"], jax.ShapeDtypeStruct):
+            self._set_samp = self._lower_set_sampling().compile()
         if not todo:
-            return 0.0
+            return time.perf_counter() - t0
         threads = threads or min(4, os.cpu_count() or 1)
         lowered = {}
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -278,7 +303,45 @@ class Runner:
         return out
 
 
-def _verify(logits_DV, batch) -> dict:
+    def neutral_mask(self, shape):
+        """An all-allowed grammar mask for `shape`'s rows ([B, V / 32] int32, -1), made once on the device (placed
+        as the step takes it): a step with no grammar row passes it, so its [B, V / 32] words are not sent."""
+        if shape not in self._masks:
+            mask = neutral_batch(shape, self.cfg.vocab_size).bitmask
+            sh = self._shardings(shape)
+            self._masks[shape] = jax.device_put(mask, sh.bitmask if sh is not None else None)
+        return self._masks[shape]
+
+    def set_sampling(self, settings: dict[int, dict]) -> None:
+        """Write slots' sampling settings into the per-slot state on the device: {slot: set_row's keyword
+        arguments (step apart)}. The steps read each row's settings from its slot, so a slot's are sent once,
+        when a request takes it, not with every step."""
+        if not settings:
+            return
+        rows, idx = sampling.default_rows(self.slots), np.full(self.slots, self.slots, np.int32)  # slots: dropped
+        for i, (slot, kw) in enumerate(sorted(settings.items())):
+            if not 0 <= slot < self.slots:
+                raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
+            sampling.set_row(rows, i, **kw)
+            idx[i] = slot
+        if self._set_samp is None:
+            self._set_samp = self._lower_set_sampling().compile()
+        del rows["step"]
+        self.state = dict(self.state, samp=self._set_samp(self.state["samp"], idx, rows))
+
+    def _lower_set_sampling(self):
+        """set_sampling's program: rows [slots, ...] scattered to the slots `idx` [slots] (= slots: dropped)."""
+        def put(samp, idx, rows):
+            return {k: v.at[idx].set(rows[k], mode="drop") for k, v in samp.items()}
+
+        out = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, self.state["samp"])}
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), slot_settings(self.slots))
+        with self._context():
+            return jax.jit(put, donate_argnums=(0,), **out).lower(
+                self.state["samp"], jax.ShapeDtypeStruct((self.slots,), jnp.int32), shapes)
+
+
+def _verify(logits_DV, batch, samp: dict) -> dict:
     """A verifying step's samples (speculative decoding): each decode token t of row b samples the token after
     it, with b's settings at its own output index, and verifies the draft fed after it in the row (if any;
     sampling.sample_rows' draft_B). -> sample_rows' outputs per decode token [D, ...] with `accepted` [D],
@@ -288,7 +351,7 @@ def _verify(logits_DV, batch) -> dict:
     D = logits_DV.shape[0]
     row_D, pos_D, valid_D, tok_D = (x[:D] for x in (batch.row, batch.pos, batch.valid, batch.tokens))
     lengths_B = batch.lengths
-    samp_D = {k: v[row_D] for k, v in batch.samp.items()}
+    samp_D = {k: v[row_D] for k, v in samp.items()}
     samp_D["step"] = samp_D["step"] + pos_D - lengths_B[row_D]
     nxt = jnp.arange(1, D + 1).clip(max=D - 1)
     follows_D = (jnp.arange(D) < D - 1) & valid_D[nxt] & (row_D[nxt] == row_D)
@@ -308,7 +371,7 @@ def _compile(lowered, shape: StepShape, on_start):
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
     """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
     {"pages", "scales": the pool (k2jax.runtime.cache.pool_shapes), "counts" [slots, V] int32, "seen"
-    [slots, V] bool}."""
+    [slots, V] bool, "samp": each slot's sampling settings (slot_settings)}."""
     pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
     pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)
 
@@ -319,7 +382,15 @@ def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh
     return {"pages": jax.tree.map(lambda s: placed(s, pool), pages),
             "scales": jax.tree.map(lambda s: placed(s, pool), scales),
             "counts": jax.ShapeDtypeStruct((slots, V), jnp.int32, sharding=rows),
-            "seen": jax.ShapeDtypeStruct((slots, V), jnp.bool_, sharding=rows)}
+            "seen": jax.ShapeDtypeStruct((slots, V), jnp.bool_, sharding=rows),
+            "samp": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
+                     for k, v in slot_settings(slots).items()}}
+
+
+def slot_settings(slots: int) -> dict[str, np.ndarray]:
+    """The per-slot sampling settings a Runner keeps on the device, all neutral: sampling.default_rows but the
+    step (the tokens a row has generated, which each step's input carries)."""
+    return {k: v for k, v in sampling.default_rows(slots).items() if k != "step"}
 
 
 def _add_counts(counts_BV, tokens_BT, add_BT):

@@ -22,7 +22,7 @@ class EngineConfig:
       while none does (None: 4 x prefill_chunk; at most max_len). `stall_bound`: warm_up also times the
       steps, and the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
       prefill_chunk tokens, in powers of two down to `min_chunk` tokens; False: chunks of prefill_chunk
-      whatever they cost (rectangular steps).
+      whatever they cost. Ragged steps are timed per chunk region, over no cached prefix and a long one.
     - `ragged` (None: on one device, no mesh): each engine step is one ragged step (k2jax.ops.ragged) over
       every decoding row and the prompt chunks that fit; False: the rectangular steps.
     - `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
