@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.config import K2Config
 from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, KV_DTYPES, TPU_LANE, kv_bytes_per_token
+from k2jax.runtime.sampling import default_rows
 from k2jax.nn.model import abstract_params, param_axes
 from k2jax.nn.quantized import check_quant
 from k2jax.ops.quant import QuantizedWeight, is_quantized
@@ -73,8 +74,10 @@ CHIPS = {c.name: c for c in (
     Chip("v7x", "TPU v7x", 192 * GiB, TPU_LANE, 7370 * GB, 2307e12, 4614e12, 1200 * GB))}
 DTYPES = ("bfloat16", "float32")
 SEARCH_AXES = ("data", "expert", "tensor")  # fsdp left out: see the module docstring
-# Per decode slot, beside the pool (k2jax.runtime.runner): output counts int32 and a prompt mask bool per id.
+# Per decode slot, beside the pool (k2jax.runtime.runner): output counts int32 and a prompt mask bool per id,
+# and its sampling settings (sampling.default_rows but the step).
 STATE_BYTES_PER_ID = 4 + 1
+SETTINGS_BYTES_PER_SLOT = sum(v.nbytes for k, v in default_rows(1).items() if k != "step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +265,7 @@ def plan(cfg: K2Config, mesh: str | dict[str, int], *, quant: str | None = None,
         shards = math.prod(shape[a] for a in dividing_axes(batch_axes, batch, shape))
         kv = KVCache(batch, max_len, kv_dtype, page_size, shards, kv_bytes_per_token(cfg, kv_dtype, kv_lane))
         rows.append((f"KV cache {batch}x{max_len}", kv.per_chip, kv.one_copy))
-        state = batch * cfg.vocab_size * STATE_BYTES_PER_ID
+        state = batch * (cfg.vocab_size * STATE_BYTES_PER_ID + SETTINGS_BYTES_PER_SLOT)
         rows.append((f"sampling state {batch} rows", state / shards, state))
     return Plan(shape, dtype, quant, kv_dtype, rows, math.prod(shape.values()), fell_back, kv,
                 math.prod(shape[a] for a in batch_axes), kv_bytes_per_token(cfg, kv_dtype, kv_lane),

@@ -59,7 +59,8 @@ def test_the_search_ranks_by_kv_tokens_and_recommends_expert_only_meshes_for_kim
     # every candidate's capacity from its own plan, independently: free bytes per chip / bytes per token x shards
     for c in cands[:5]:
         p = c.plan
-        free = 95 * GiB * 0.9 - p.weights_per_device - 64 * 163840 * 5 / p.kv.shards
+        # per slot: counts int32 and a prompt mask per id; settings: 10 4-byte values, 16 stop ids, 300 bias pairs
+        free = 95 * GiB * 0.9 - p.weights_per_device - 64 * (163840 * 5 + 10 * 4 + 16 * 4 + 300 * 8) / p.kv.shards
         assert c.kv_tokens == max(0, int(free // (61 * 576 * 2))) * math.prod(
             p.mesh[a] for a in ("data", "fsdp", "expert"))
     # int4 experts: 16 chips hold K2-Thinking; 8 v5p do not hold bf16 Kimi K2
