@@ -146,7 +146,8 @@ def main():
                     results.append(("2", f"inter-token gap of a stream while a {args.long}-token prompt prefills: "
                                          f"p50 {pct(gaps, 50) * 1e3:.0f} ms, p99 {pct(gaps, 99) * 1e3:.0f} ms, max "
                                          f"{max(gaps) * 1e3:.0f} ms (its TTFT {long_s:.2f} s); one "
-                                         f"{args.chunk}-token chunk alone {chunk_s * 1e3:.0f} ms", pct(gaps, 99) / chunk_s, "p99 <= 1 chunk"))
+                                         f"{args.chunk}-token chunk alone {chunk_s * 1e3:.0f} ms",
+                                         pct(gaps, 99) / chunk_s, "p99 <= 1 chunk"))
             finally:
                 s.close()
 

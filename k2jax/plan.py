@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from k2jax.config import K2Config
 from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, KV_DTYPES, TPU_LANE, kv_bytes_per_token
-from k2jax.runtime.sampling import default_rows
+from k2jax.runtime.sampling import slot_settings
 from k2jax.nn.model import abstract_params, param_axes
 from k2jax.nn.quantized import check_quant
 from k2jax.ops.quant import QuantizedWeight, is_quantized
@@ -75,9 +75,9 @@ CHIPS = {c.name: c for c in (
 DTYPES = ("bfloat16", "float32")
 SEARCH_AXES = ("data", "expert", "tensor")  # fsdp left out: see the module docstring
 # Per decode slot, beside the pool (k2jax.runtime.runner): output counts int32 and a prompt mask bool per id,
-# and its sampling settings (sampling.default_rows but the step).
+# and its sampling settings.
 STATE_BYTES_PER_ID = 4 + 1
-SETTINGS_BYTES_PER_SLOT = sum(v.nbytes for k, v in default_rows(1).items() if k != "step")
+SETTINGS_BYTES_PER_SLOT = sum(v.nbytes for v in slot_settings(1).values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,8 +121,6 @@ class Engine:
                                speculative_tokens=self.spec_tokens)
         self.metrics = metrics or Metrics(slots)
         self.metrics.pages_total = self.pool.num_pages - shards
-        # The sequence whose sampling settings each slot holds on the device (sent when another takes it).
-        self._slot_seq: list[Seq | None] = [None] * slots
         self._inbox: list[Request] = []
         self._cancels: set[int] = set()
         self._aborting = False  # abort_all: every request, and any submitted later, ends with "abort"
@@ -432,8 +430,8 @@ class Engine:
             q.draft, q.shadow = q.draft[:best_k], (q.draft if not best_k else [])
 
     def _sampling(self, call: Call, batch: StepInput | RaggedInput) -> None:
-        """Each row's generated count and grammar mask; the settings of a slot that a new sequence holds go
-        to the device (Runner.set_sampling) before the step, the only time they are sent. A step with no
+        """Each row's generated count and grammar mask; a sequence's settings go to its slot on the device
+        (Runner.set_sampling) before its first step there, the only time they are sent. A step with no
         grammar row takes the runner's all-allowed mask already on the device."""
         fresh, masked = {}, False
         for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
@@ -441,8 +439,7 @@ class Engine:
                 continue
             r = seq.req
             batch.step[i] = seq.generated
-            if self._slot_seq[seq.slot] is not seq:
-                self._slot_seq[seq.slot] = seq
+            if seq.new_slot:
                 fresh[seq.slot] = self._row_settings(r.params)
             if samples and r.matcher is not None:
                 r.matcher.fill_bitmask(batch.bitmask[i])

@@ -118,7 +118,7 @@ class Runner:
             self.state = {"pages": pages, "scales": scales,
                           "counts": jnp.zeros((slots, V), jnp.int32, device=sh),
                           "seen": jnp.zeros((slots, V), bool, device=sh),
-                          "samp": {k: jnp.asarray(v, device=sh) for k, v in slot_settings(slots).items()}}
+                          "samp": {k: jnp.asarray(v, device=sh) for k, v in sampling.slot_settings(slots).items()}}
 
     def _context(self):
         return contextlib.nullcontext() if self.mesh is None else use_mesh(self.mesh)
@@ -269,8 +269,8 @@ class Runner:
         on `threads` threads at once (default: the CPU count, at most 4): XLA compiles one program on one core."""
         t0 = time.perf_counter()
         todo = [s for s in dict.fromkeys(shapes) if s not in self._compiled]
-        if self._set_samp is None and not isinstance(self.state["counts"], jax.ShapeDtypeStruct):
-            self._set_samp = self._lower_set_sampling().compile()
+        if not isinstance(self.state["counts"], jax.ShapeDtypeStruct):  # abstract: nothing runs
+            self._set_program()
         if not todo:
             return time.perf_counter() - t0
         threads = threads or min(4, os.cpu_count() or 1)
@@ -324,18 +324,22 @@ class Runner:
                 raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
             sampling.set_row(rows, i, **kw)
             idx[i] = slot
+        del rows["step"]
+        self.state = dict(self.state, samp=self._set_program()(self.state["samp"], idx, rows))
+
+    def _set_program(self):
+        """set_sampling's program, compiled once: rows [slots, ...] scattered to the slots `idx` [slots]
+        (= slots: dropped)."""
         if self._set_samp is None:
             self._set_samp = self._lower_set_sampling().compile()
-        del rows["step"]
-        self.state = dict(self.state, samp=self._set_samp(self.state["samp"], idx, rows))
+        return self._set_samp
 
     def _lower_set_sampling(self):
-        """set_sampling's program: rows [slots, ...] scattered to the slots `idx` [slots] (= slots: dropped)."""
         def put(samp, idx, rows):
             return {k: v.at[idx].set(rows[k], mode="drop") for k, v in samp.items()}
 
         out = {} if self.mesh is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, self.state["samp"])}
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), slot_settings(self.slots))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), sampling.slot_settings(self.slots))
         with self._context():
             return jax.jit(put, donate_argnums=(0,), **out).lower(
                 self.state["samp"], jax.ShapeDtypeStruct((self.slots,), jnp.int32), shapes)
@@ -371,7 +375,7 @@ def _compile(lowered, shape: StepShape, on_start):
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
     """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
     {"pages", "scales": the pool (k2jax.runtime.cache.pool_shapes), "counts" [slots, V] int32, "seen"
-    [slots, V] bool, "samp": each slot's sampling settings (slot_settings)}."""
+    [slots, V] bool, "samp": each slot's sampling settings (sampling.slot_settings)}."""
     pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
     pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)
 
@@ -384,13 +388,8 @@ def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh
             "counts": jax.ShapeDtypeStruct((slots, V), jnp.int32, sharding=rows),
             "seen": jax.ShapeDtypeStruct((slots, V), jnp.bool_, sharding=rows),
             "samp": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
-                     for k, v in slot_settings(slots).items()}}
+                     for k, v in sampling.slot_settings(slots).items()}}
 
-
-def slot_settings(slots: int) -> dict[str, np.ndarray]:
-    """The per-slot sampling settings a Runner keeps on the device, all neutral: sampling.default_rows but the
-    step (the tokens a row has generated, which each step's input carries)."""
-    return {k: v for k, v in sampling.default_rows(slots).items() if k != "step"}
 
 
 def _add_counts(counts_BV, tokens_BT, add_BT):

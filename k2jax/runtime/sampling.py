@@ -65,6 +65,12 @@ def default_rows(B: int) -> dict[str, np.ndarray]:
     }
 
 
+def slot_settings(slots: int) -> dict[str, np.ndarray]:
+    """The settings a runtime keeps per slot on the device (k2jax.runtime.runner), all neutral: default_rows
+    but the step (the tokens a row has generated, which each step's input carries)."""
+    return {k: v for k, v in default_rows(slots).items() if k != "step"}
+
+
 def set_row(rows: dict, i: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, step=0,
             presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0, stop_ids=(),
             logit_bias=(), top_logprobs=MAX_TOP_LOGPROBS, vocab_size: int | None = None) -> None:
