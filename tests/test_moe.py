@@ -172,6 +172,24 @@ def test_moe_module_impls_agree():
         np.testing.assert_allclose(MoE(cfg, impl=impl, tile=4).apply(params, x), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_padding_tokens_take_no_routed_expert():
+    """valid_BT: real tokens' outputs are those of the unmasked module; a padding token's is its shared
+    experts' alone (no routed expert), on every single-device impl."""
+    from k2jax.nn.mlp import MLP
+
+    cfg = K2Config.from_hf_config(CONFIGS / "tiny.json")
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, cfg.hidden_size))
+    valid = np.ones((2, 9), bool)
+    valid[0, 6:] = valid[1, :2] = False
+    params = MoE(cfg, impl="dense").init(jax.random.PRNGKey(1), x)
+    whole = MoE(cfg, impl="dense").apply(params, x)
+    shared = MLP(cfg.shared_intermediate_size).apply({"params": params["params"]["shared_experts"]}, x)
+    for impl in ("dense", "tiled", "ragged"):
+        got = MoE(cfg, impl=impl, tile=4).apply(params, x, valid_BT=jnp.asarray(valid))
+        np.testing.assert_allclose(got[valid], whole[valid], atol=1e-5, rtol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got[~valid], shared[~valid], atol=1e-5, rtol=1e-5, err_msg=impl)
+
+
 def test_router_bias_picks_but_does_not_weigh():
     cfg = K2Config.from_hf_config(CONFIGS / "tiny.json").replace(routed_scaling_factor=1.0)
     logits = jnp.array([[0.0, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 0.1]])

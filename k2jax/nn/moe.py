@@ -120,8 +120,14 @@ class MoE(nn.Module):
     capacity: int | None = None  # CPU grouped path: rows per expert in the batched matmul (None: by shape)
 
     @nn.compact
-    def __call__(self, x_BTD, stacks=None, layer=None):
-        """stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer
+    def __call__(self, x_BTD, stacks=None, layer=None, valid_BT=None):
+        """valid_BT: [B, T] bool, or None (every token real). Padding tokens (False) take no routed expert
+        (their rows get the shared experts only; nobody reads them): padding shares one input, so it would
+        all choose the same K experts and pile onto them (a ragged step's partly filled chunk region: a
+        272-token chunk in a 512-token region sends ~240 rows to each of 8 experts, past their capacity).
+        The expert-parallel exchange still routes every token.
+
+        stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer
         axis ({"gate_proj": [L, E, D, F], "up_proj": [L, E, D, F], "down_proj": [L, E, F, D]}, plain or
         QuantizedWeight; or a runtime's per-layer views of them, k2jax.nn.model.expert_views: {"gate_proj":
         (L arrays [E, D, F]), ...}), which K2Model passes whole to its scan over the layers, and this layer's
@@ -135,12 +141,16 @@ class MoE(nn.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         idx_TK, weight_TK = Router(cfg, name="gate")(x_TD, B)
+        sharded = jax.sharding.get_abstract_mesh().size > 1
+        if valid_BT is not None and not sharded:  # expert E: held nowhere, adds nothing (see k2jax.ops.moe)
+            valid_T1 = valid_BT.reshape(B * T, 1)
+            idx_TK = jnp.where(valid_T1, idx_TK, cfg.n_routed_experts)
+            weight_TK = jnp.where(valid_T1, weight_TK, 0.0)
         impl = self.impl
         if impl == "auto":
             impl = {"cpu": "tiled", "tpu": "gmm"}.get(jax.default_backend(), "ragged")
         if impl not in MOE_IMPLS:
             raise ValueError(f"MoE impl must be one of {MOE_IMPLS}, got {impl!r}")
-        sharded = jax.sharding.get_abstract_mesh().size > 1
         w = Experts(cfg.n_routed_experts, D, cfg.moe_intermediate_size, self.param_dtype, name="experts")()
         if impl == "dense":
             y_TD = moe_dense(x_TD, idx_TK, weight_TK, *w)
