@@ -152,20 +152,72 @@ def test_expert_views_share_the_stacks_memory_and_give_the_same_model():
     assert expert_views(abstract) is abstract
 
 
+def test_output_major_expert_views_hold_the_transposes_and_give_the_same_model():
+    """expert_views(output_major=True), what the runtime's CPU steps take: gate and up become per-layer
+    OutputMajor copies [E, F, D] (the transposes of their layers, counted by copied_expert_bytes), down stays
+    a view of its stack, and the model's logits are the reference's; quantized experts stay views."""
+    from k2jax.nn.model import copied_expert_bytes
+    from k2jax.ops.moe import OutputMajor
+
+    cfg = TINY.replace(num_hidden_layers=4)  # 3 MoE layers
+    params = random_params(cfg, seed=7)
+    tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 9), 0, cfg.vocab_size)
+    views = expert_views(params, output_major=True)
+    experts = params["moe_layers"]["mlp"]["experts"]
+    for name in ("gate_proj", "up_proj"):
+        got = views[EXPERT_VIEWS][name]
+        assert all(isinstance(w, OutputMajor) for w in got)
+        np.testing.assert_array_equal(np.stack([w.w_FD for w in got]), np.swapaxes(experts[name], -1, -2))
+    down = np.asarray(experts["down_proj"])
+    assert [v.unsafe_buffer_pointer() for v in views[EXPERT_VIEWS]["down_proj"]] == [
+        down[i].ctypes.data for i in range(3)]
+    assert copied_expert_bytes(views) == experts["gate_proj"].nbytes + experts["up_proj"].nbytes
+    assert copied_expert_bytes(expert_views(params)) == 0
+    for B, T in ((2, 9), (1, 1)):  # the batched matmul; one token (4 K <= E): the gathered decode path
+        want = K2Model(cfg, moe_impl="dense").apply({"params": params}, tokens[:B, :T])
+        got = jax.jit(lambda p: K2Model(cfg).apply({"params": p}, tokens[:B, :T]))(views)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=f"{B} x {T} tokens")
+    quantized = expert_views(quantize_params(params, cfg, "fp8"), output_major=True)
+    assert not any(isinstance(w, OutputMajor) for w in quantized[EXPERT_VIEWS]["gate_proj"])
+
+
 def test_runner_steps_through_the_views_equal_the_reference():
     """The runtime's steps on one CPU device take expert_views of the params: greedy generation through them
     equals the argmax of the dense reference's full forward, token by token."""
     from k2jax.runtime.generate import generate
     from k2jax.runtime.runner import Runner
 
+    from k2jax.runtime import generate as generate_module
+    from k2jax.ops.moe import OutputMajor
+
     cfg = TINY.replace(num_hidden_layers=4)
     params = random_params(cfg, seed=3)
     assert EXPERT_VIEWS in Runner(K2Model(cfg), params, slots=1, num_pages=2, page_size=8).params
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    generate_module._RUNNERS.clear()
     tokens, _ = generate(K2Model(cfg), params, prompts, 5)
+    (runner,) = generate_module._RUNNERS.values()  # generate's steps took the views too
+    assert all(isinstance(w, OutputMajor) for w in runner.params[EXPERT_VIEWS]["gate_proj"])
     reference = jax.jit(lambda t: K2Model(cfg, moe_impl="dense").apply({"params": params}, t))
     for prompt, got in zip(prompts, np.asarray(tokens)):
         seq = list(prompt)
         for _ in range(5):
             seq.append(int(jnp.argmax(reference(jnp.asarray([seq]))[0, -1])))
         assert list(got) == seq[len(prompt):]
+
+
+def test_runner_makes_the_views_once_per_params_object():
+    """Runner.set_params: the same params again keep their per-layer arrays (no second copy); new params
+    (generate's cached runner called with other weights) get their own, and the steps follow them."""
+    from k2jax.runtime.runner import Runner
+
+    cfg = TINY.replace(num_hidden_layers=4)
+    params, other = random_params(cfg, seed=3), random_params(cfg, seed=4)
+    runner = Runner(K2Model(cfg), params, slots=1, num_pages=2, page_size=8)
+    views = runner.params[EXPERT_VIEWS]
+    runner.set_params(params)
+    assert runner.params[EXPERT_VIEWS] is views
+    runner.set_params(other)
+    got = runner.params[EXPERT_VIEWS]["gate_proj"][0].w_FD
+    np.testing.assert_array_equal(got, np.swapaxes(other["moe_layers"]["mlp"]["experts"]["gate_proj"][0], -1, -2))
+    assert runner.extra_bytes == 2 * other["moe_layers"]["mlp"]["experts"]["gate_proj"].nbytes

@@ -122,6 +122,27 @@ def test_layer_read_out_of_stacks_equals_dense_of_that_layer(quant, T, capacity,
                                    err_msg=f"layer {layer}'s own arrays")
 
 
+@pytest.mark.parametrize("T, capacity", [(1, None), (40, None), (40, 2), (40, 0)])  # gathered, batched, tiles
+def test_output_major_layers_equal_dense(T, capacity):
+    """A runtime's per-layer arrays with gate and up output-major (OutputMajor [E, F, D]), each layer picked by
+    a switch (moe_grouped's stacks as per-layer sequences) == moe_dense of that layer's experts."""
+    from k2jax.ops.moe import OutputMajor
+
+    L, E, K, D, F = 3, 8, 2, 64, 32
+    key = jax.random.PRNGKey(T + (capacity or 0))
+    stacks, layers = layer_stacks(key, L, E, D, F)
+    views = [tuple(OutputMajor(jnp.swapaxes(w[l], -1, -2)) for l in range(L)) for w in stacks[:2]]
+    views.append(tuple(stacks[2][l] for l in range(L)))
+    x = jax.random.normal(jax.random.fold_in(key, 1), (T, D))
+    idx, wt = routing(jax.random.fold_in(key, 2), T, E, K, skew=2.0)
+    zeros = jax.tree.map(jnp.zeros_like, layers[0])  # the layer's own arrays are read only to differentiate
+    run = jax.jit(lambda x, layer: moe_grouped(x, idx, wt, *zeros, capacity=capacity, tile=4, stacks=views,
+                                               layer=layer))
+    for layer in range(L):
+        np.testing.assert_allclose(run(x, layer), moe_dense(x, idx, wt, *layers[layer]), atol=1e-5, rtol=1e-5,
+                                   err_msg=f"layer {layer}")
+
+
 @pytest.mark.parametrize("T, capacity", [(29, None), (29, 0), (2, None)])
 def test_stacks_give_the_values_and_the_slice_the_gradients(T, capacity):
     """moe_grouped with the stacks and the layer: values computed out of the stacks (the layer's own arrays

@@ -98,7 +98,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     if runner is None:  # each row: its shard's trash page, then W pages of its own
         runner = _RUNNERS[key] = Runner(model, params, slots=B, num_pages=shards * (1 + per * W),
                                         page_size=page_size, kv_dtype=kv_cache_dtype, mesh=mesh)
-    runner.params = params
+    runner.set_params(params)
     row = np.arange(B)[:, None]
     table = ((row // per) * (1 + per * W) + 1 + (row % per) * W + np.arange(W)[None, :]).astype(np.int32)
 

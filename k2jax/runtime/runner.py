@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
-from k2jax.nn.model import HIDDEN, K2Model, expert_views
+from k2jax.nn.model import HIDDEN, K2Model, copied_expert_bytes, expert_views
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.ops.ragged import RaggedCache
@@ -85,7 +85,8 @@ class Runner:
     k2jax.runtime.cache.KV_DTYPES; None = the params' dtype) and the per-slot state for `slots` slots,
     on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
     one step. The params stay the caller's (placed on the mesh already, or on one device; on one CPU device
-    the steps also take k2jax.nn.model.expert_views of them, which share their memory).
+    the steps also take k2jax.nn.model.expert_views of them: views of the down projections' stacks and
+    output-major copies of the gate and up ones, `extra_bytes` in all).
 
     abstract=True: nothing is allocated; the state is jax.ShapeDtypeStructs with their shardings
     (`state_shapes`) and the params may be too, for `lower(shape).compile()` ahead of time, e.g. for a TPU
@@ -93,9 +94,9 @@ class Runner:
 
     def __init__(self, model: K2Model, params, *, slots: int, num_pages: int, page_size: int, kv_dtype=None,
                  mesh=None, abstract: bool = False):
-        self.model, self.params, self.mesh = model, params, mesh
-        if mesh is None:  # XLA:CPU: the steps read the routed experts through zero-copy per-layer views
-            self.params = expert_views(params)
+        self.model, self.mesh = model, mesh
+        self._given = None
+        self.set_params(params)
         self.cfg = model.cfg
         self.slots, self.page_size = slots, page_size
         self.kv_dtype = jnp.dtype(model.param_dtype).name if kv_dtype in (None, "auto") else kv_dtype
@@ -285,6 +286,17 @@ class Runner:
                 if on_progress is not None:
                     on_progress(i, len(todo), futures[f])
         return time.perf_counter() - t0
+
+    def set_params(self, params) -> None:
+        """The params the steps take from now on (the same tree structure as before). On one CPU device the
+        steps read the routed experts through per-layer arrays, made here once per params object: views of
+        down_proj and output-major copies of gate and up (k2jax.nn.model.expert_views), `extra_bytes` of
+        copies in all."""
+        if params is self._given:
+            return
+        self._given = params
+        self.params = expert_views(params, output_major=True) if self.mesh is None else params
+        self.extra_bytes = copied_expert_bytes(self.params)
 
     def step(self, shape: StepShape | RaggedShape, batch: StepInput | RaggedInput) -> dict:
         """Run one step of `shape` on host inputs (a StepInput, see host_batch; a RaggedInput for a RaggedShape,
