@@ -38,7 +38,11 @@ class DecoderBlock(nn.Module):
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.rms_norm_eps, dt, "embed", name="post_attention_layernorm")(x_BTD)
         if self.moe:
-            x_BTD = x_BTD + MoE(cfg, dt, self.moe_impl, name="mlp")(h_BTD, experts, layer, kv_valid_BT)
+            # Over a cache (inference) padding takes no routed expert: nothing reads its rows. Without one
+            # (training, scoring) every position routes, as in the reference, whose router statistics count
+            # padding too.
+            routed_BT = None if cache is None else kv_valid_BT
+            x_BTD = x_BTD + MoE(cfg, dt, self.moe_impl, name="mlp")(h_BTD, experts, layer, routed_BT)
         else:
             x_BTD = x_BTD + MLP(cfg.intermediate_size, dt, name="mlp")(h_BTD)
         return constrain(x_BTD, ("batch", "length", "act_embed")), new

@@ -125,12 +125,13 @@ class MoE(nn.Module):
         (their rows get the shared experts only; nobody reads them): padding shares one input, so it would
         all choose the same K experts and pile onto them (a ragged step's partly filled chunk region: a
         272-token chunk in a 512-token region sends ~240 rows to each of 8 experts, past their capacity).
-        The expert-parallel exchange still routes every token.
+        The expert-parallel exchange still routes every token. The decoder block passes its mask only in
+        steps over a cache.
 
         stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer
         axis ({"gate_proj": [L, E, D, F], "up_proj": [L, E, D, F], "down_proj": [L, E, F, D]}, plain or
         QuantizedWeight; or a runtime's per-layer views of them, k2jax.nn.model.expert_views: {"gate_proj":
-        (L arrays [E, D, F]), ...}), which K2Model passes whole to its scan over the layers, and this layer's
+        (L arrays [E, D, F], or k2jax.ops.moe.OutputMajor copies), ...}), which K2Model passes whole to its scan over the layers, and this layer's
         index, a traced int. The XLA:CPU path ("tiled", one device) then computes this layer's experts
         straight out of them (k2jax.ops.moe.moe_grouped): the scan's per-layer slice of the params, which
         XLA:CPU copies whole before a matmul reads it, is read only to differentiate. So does the
