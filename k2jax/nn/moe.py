@@ -128,16 +128,16 @@ class MoE(nn.Module):
         The expert-parallel exchange still routes every token. The decoder block passes its mask only in
         steps over a cache.
 
-        stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer
-        axis ({"gate_proj": [L, E, D, F], "up_proj": [L, E, D, F], "down_proj": [L, E, F, D]}, plain or
-        QuantizedWeight; or a runtime's per-layer views of them, k2jax.nn.model.expert_views: {"gate_proj":
-        (L arrays [E, D, F], or k2jax.ops.moe.OutputMajor copies), ...}), which K2Model passes whole to its scan over the layers, and this layer's
-        index, a traced int. The XLA:CPU path ("tiled", one device) then computes this layer's experts
-        straight out of them (k2jax.ops.moe.moe_grouped): the scan's per-layer slice of the params, which
-        XLA:CPU copies whole before a matmul reads it, is read only to differentiate. So does the
-        expert-parallel "gmm" path (a TPU's): its kernel reads the layer's tiles out of the stacks, where
-        XLA:TPU would copy the slice whole before the kernel reads it. Without them (init), and on the other
-        paths, the experts are this module's own params."""
+        stacks, layer: the routed experts of every MoE layer as the params hold them, stacked on the layer axis
+        ({"gate_proj": [L, E, D, F], "up_proj": [L, E, D, F], "down_proj": [L, E, F, D]}, plain or QuantizedWeight;
+        or a runtime's per-layer arrays of them, k2jax.nn.model.expert_views: {"gate_proj": (L arrays [E, D, F] or
+        k2jax.ops.moe.OutputMajor copies), ...}), which K2Model passes whole to its scan over the layers, and this
+        layer's index, a traced int. The XLA:CPU path ("tiled", one device) then computes this layer's experts
+        straight out of them (k2jax.ops.moe.moe_grouped): the scan's per-layer slice of the params, which XLA:CPU
+        copies whole before a matmul reads it, is read only to differentiate. So does the expert-parallel "gmm" path
+        (a TPU's): its kernel reads the layer's tiles out of the stacks, where XLA:TPU would copy the slice whole
+        before the kernel reads it. Without them (init), and on the other paths, the experts are this module's own
+        params."""
         cfg = self.cfg
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
