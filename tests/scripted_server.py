@@ -33,6 +33,7 @@ class ScriptedRunner:
     def __init__(self, model, params, *, slots, num_pages, page_size, kv_dtype=None, mesh=None):
         self.cfg, self.slots = model.cfg, slots
         self.kv_dtype = "float32"
+        self.extra_bytes = 0  # no per-layer expert copies
         self.state = {"pages": np.zeros((num_pages, page_size), np.float32), "scales": np.zeros(1, np.float32)}
         self._prompts: dict[int, list[int]] = {}  # slot -> the prompt ids seen so far
         self._seeds = [0] * slots  # slot -> its request's seed (set_sampling)
