@@ -200,7 +200,8 @@ def _scores(q_lat_MgNR, q_pe_MgNP, ckv_MZR, k_pe_MZP):
 
 
 def _update(state, s_MgNZ, see_MgNZ, ckv_MZR, dt):
-    """One online-softmax step: (m, l [M, g, N], acc [M, g, N, R]) after the keys `see` lets each query see."""
+    """One online-softmax step: (m, l [M, g, N], acc [M, g, N, R]) after the keys `see` lets each query see
+    (R: the values' columns, ckv's last axis)."""
     m, l, acc = state
     s_MgNZ = jnp.where(see_MgNZ, s_MgNZ, _NEG_INF)
     m_new = jnp.maximum(m, s_MgNZ.max(-1))
@@ -240,14 +241,19 @@ def over_cache(q_lat_MgNR, q_pe_MgNP, row_M, live_M, pages_LAYC, scales_LA2Y, la
     visits = (jnp.max(len_M, initial=0) + v * Y - 1) // (v * Y)
     f32 = jnp.float32
 
+    # Each visit's keys are multiplied whole, latent and rope columns together: slicing them apart copies the
+    # visit on XLA:CPU. The values' product then also sums the rope columns, dropped at the end.
+    q_MgNC = jnp.concatenate([q_lat_MgNR, q_pe_MgNP.astype(q_lat_MgNR.dtype)], -1)
+
     def visit(i, state):
         x_MZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_MW, i, v, C, R, dt)
         see_MZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_M[:, None]
-        s = _scores(q_lat_MgNR, q_pe_MgNP, x_MZC[..., :R], x_MZC[..., R:])
-        return _update(state, s, see_MZ[:, None, None, :], x_MZC[..., :R], dt)
+        s = jnp.einsum("MgNC,MZC->MgNZ", q_MgNC, x_MZC, preferred_element_type=f32)
+        return _update(state, s, see_MZ[:, None, None, :], x_MZC, dt)
 
-    init = (jnp.full((M, g, N), _NEG_INF, f32), jnp.zeros((M, g, N), f32), jnp.zeros((M, g, N, R), f32))
-    return jax.lax.fori_loop(0, visits, visit, init)
+    init = (jnp.full((M, g, N), _NEG_INF, f32), jnp.zeros((M, g, N), f32), jnp.zeros((M, g, N, C), f32))
+    m, l, acc = jax.lax.fori_loop(0, visits, visit, init)
+    return m, l, acc[..., :R]
 
 
 def _visit_keys(pages_LAYC, scales_LA2Y, layer, table_xW, i, v: int, C: int, R: int, dt):
