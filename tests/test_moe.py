@@ -7,7 +7,7 @@ import pytest
 
 from k2jax.config import K2Config
 from k2jax.nn.moe import MoE, route
-from k2jax.ops.moe import grouped_moe, moe_dense, moe_grouped
+from k2jax.ops.moe import default_sizes, grouped_moe, moe_dense, moe_grouped
 from k2jax.ops.quant import quantize_weight
 from tests.conftest import CONFIGS
 
@@ -30,10 +30,10 @@ def routing(key, T, E, K, skew=0.0):
 @pytest.mark.parametrize("impl, capacity", [("tiled", None), ("tiled", 0), ("tiled", 2), ("ragged", None)])
 @pytest.mark.parametrize("T, E, K, tile, skew", [
     (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0),
-    (2, 64, 8, 8, 0.0)])  # the last: decode-sized, gathered weights when capacity is None
+    (2, 64, 8, 8, 0.0), (4, 64, 8, 8, 0.0)])  # decode-sized, capacity None: gathered weights; tiles only
 def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
     # capacity None: sized for the load (the batched matmul does it all, a hot expert overflows into tiles;
-    # or gathered weights for decode-sized batches);
+    # or gathered weights for decode-sized batches, or tiles only up to one assignment per two experts);
     # 0: every row through the tile loop; 2: most rows overflow.
     key = jax.random.PRNGKey(T * E + K)
     D, F = 24, 20
@@ -46,6 +46,12 @@ def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
     ref = moe_dense(x, idx, wt, *w)
     got = jax.jit(lambda *a: moe_grouped(*a, impl=impl, tile=tile, capacity=capacity))(x, idx, wt, *w)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_sizes_take_tiles_only_up_to_one_assignment_per_two_experts():
+    assert default_sizes(32, 64) == (0, 4)  # 4 decoding rows of top-8 over 64 experts
+    c, t = default_sizes(64, 64)
+    assert c >= 8 and t >= c  # 8 rows: the batched matmul (most experts are chosen)
 
 
 @pytest.mark.parametrize("T, E, capacities", [
