@@ -209,6 +209,7 @@ def test_runner_steps_through_the_views_equal_the_reference():
 def test_runner_makes_the_views_once_per_params_object():
     """Runner.set_params: the same params again keep their per-layer arrays (no second copy); new params
     (generate's cached runner called with other weights) get their own, and the steps follow them."""
+    from k2jax.runtime.layout import RaggedShape
     from k2jax.runtime.runner import Runner
 
     cfg = TINY.replace(num_hidden_layers=4)
@@ -220,4 +221,10 @@ def test_runner_makes_the_views_once_per_params_object():
     runner.set_params(other)
     got = runner.params[EXPERT_VIEWS]["gate_proj"][0].w_FD
     np.testing.assert_array_equal(got, np.swapaxes(other["moe_layers"]["mlp"]["experts"]["gate_proj"][0], -1, -2))
-    assert runner.extra_bytes == 2 * other["moe_layers"]["mlp"]["experts"]["gate_proj"].nbytes
+    kv_b = sum(other[g]["self_attn"]["kv_b_proj"].nbytes for g in ("dense_layers", "moe_layers"))
+    assert runner.extra_bytes == 2 * other["moe_layers"]["mlp"]["experts"]["gate_proj"].nbytes + kv_b
+    head_major = runner._params_for(RaggedShape(1, 0, 16, 1, 2))["moe_layers"]["self_attn"]["kv_b_proj"]
+    K = cfg.qk_nope_head_dim  # W_UK [L, N, R, K] and W_UV [L, N, V, R] of the params' [L, R, N, K + V]
+    w = np.asarray(other["moe_layers"]["self_attn"]["kv_b_proj"])
+    np.testing.assert_array_equal(head_major.uk_NRK, np.transpose(w[..., :K], (0, 2, 1, 3)))
+    np.testing.assert_array_equal(head_major.uv_NVR, np.transpose(w[..., K:], (0, 2, 3, 1)))

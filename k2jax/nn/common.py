@@ -6,6 +6,7 @@ import flax.linen as nn
 
 from k2jax.ops.matmul import einsum  # noqa: F401  (the modules' matmul; kept importable from here)
 from k2jax.ops.quant import is_quantized
+from k2jax.ops.ragged import HeadMajorKV
 
 # Same scale as transformers' initializer_range; real weights come from checkpoints.
 DEFAULT_INIT = nn.initializers.normal(stddev=0.02)
@@ -16,11 +17,14 @@ def param(module: nn.Module, name: str, shape, axes: tuple[str | None, ...], dty
 
     A k2jax.ops.quant.QuantizedWeight held under that name is returned as it is (the modules' matmuls take
     it), after checking its logical shape: flax's own check compares array leaves, and packed INT4 values
-    are half as wide as the weight.
+    are half as wide as the weight. So is a runtime's head-major kv_b_proj (k2jax.ops.ragged.HeadMajorKV,
+    which only its ragged attention takes).
     """
     assert len(axes) == len(shape), (name, shape, axes)
     if module.has_variable("params", name):
         held = module.get_variable("params", name)
+        if isinstance(held, HeadMajorKV):
+            return held
         if is_quantized(held):
             if held.shape != tuple(shape):
                 raise ValueError(f"quantized param {'/'.join(module.path + (name,))}: shape {held.shape}, "

@@ -14,6 +14,7 @@ from k2jax.nn.block import DecoderBlock
 from k2jax.nn.common import param
 from k2jax.ops.matmul import einsum
 from k2jax.ops.moe import OutputMajor
+from k2jax.ops.ragged import HeadMajorKV
 from k2jax.nn.norm import RMSNorm
 from k2jax.nn.quantized import abstract_quantized, quantized_axes
 
@@ -197,6 +198,33 @@ def copied_expert_bytes(params) -> int:
     """Bytes of the output-major copies that expert_views(params, output_major=True) added (0: none)."""
     views = params.get(EXPERT_VIEWS, {}) if isinstance(params, dict) else {}
     return sum(w.w_FD.nbytes for layers in views.values() for w in layers if isinstance(w, OutputMajor))
+
+
+def head_major_kv(params, K: int):
+    """params with each layer group's plain kv_b_proj stack [L, R, N, K + V] (K the nope head dim) replaced by
+    its k2jax.ops.ragged.HeadMajorKV copy ([L, N, R, K] and [L, N, V, R], made on the host), which only the
+    ragged attention takes: for a runtime's ragged steps on one XLA:CPU device (k2jax.runtime.runner).
+    Quantized stacks, arrays elsewhere and abstract params stay as they are."""
+    if not isinstance(params, dict):
+        return params
+    out = dict(params)
+    for group in ("dense_layers", "moe_layers"):
+        attn = params.get(group, {}).get("self_attn", {})
+        w = attn.get("kv_b_proj")
+        if not (isinstance(w, jax.Array) and len(w.devices()) == 1 and next(iter(w.devices())).platform == "cpu"):
+            continue
+        host, device = np.asarray(w), next(iter(w.devices()))
+        uk = np.ascontiguousarray(np.transpose(host[..., :K], (0, 2, 1, 3)))
+        uv = np.ascontiguousarray(np.transpose(host[..., K:], (0, 2, 3, 1)))
+        head_major = HeadMajorKV(jax.device_put(uk, device), jax.device_put(uv, device))
+        out[group] = params[group] | {"self_attn": attn | {"kv_b_proj": head_major}}
+    return out
+
+
+def head_major_bytes(params) -> int:
+    """Bytes of the HeadMajorKV copies that head_major_kv(params) holds (0: none)."""
+    groups = [params.get(g, {}).get("self_attn", {}).get("kv_b_proj") for g in ("dense_layers", "moe_layers")]
+    return sum(w.uk_NRK.nbytes + w.uv_NVR.nbytes for w in groups if isinstance(w, HeadMajorKV))
 
 
 def _output_major_layers(stack_LEDF) -> tuple:

@@ -99,6 +99,27 @@ class RaggedCache:
         return dataclasses.replace(self, pages=pages, scales=scales, lengths=self.lengths + added_B)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadMajorKV:
+    """kv_b_proj split and held head-major: uk_NRK [..., N, R, K] (W_UK) and uv_NVR [..., N, V, R] (W_UV),
+    the layouts XLA:CPU's head-batched products take (a runtime's copy of the params' [..., R, N, K + V]:
+    k2jax.nn.model.head_major_kv). Given the params' layout, each step's layer transposes its slices into these
+    (bench config: 0.3-0.6 ms a layer, for a decode step's 16 tokens). Indexing it (tree.map) indexes both."""
+
+    uk_NRK: jax.Array
+    uv_NVR: jax.Array
+
+
+def kv_b_split(w_kv_b, K: int, dt):
+    """(W_UK [N, R, K], W_UV [N, V, R]) of kv_b_proj: a HeadMajorKV's own arrays, or the slices of w_kv_b [R, N,
+    K + V] (plain or quantized, dequantized to dt) transposed."""
+    if isinstance(w_kv_b, HeadMajorKV):
+        return w_kv_b.uk_NRK.astype(dt), w_kv_b.uv_NVR.astype(dt)
+    w_RNX = materialize(w_kv_b, dt)
+    return jnp.transpose(w_RNX[..., :K], (1, 0, 2)), jnp.transpose(w_RNX[..., K:], (1, 2, 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedContext:
     """One layer's view of a RaggedCache, handed to the attention (k2jax.nn.mla)."""
@@ -125,17 +146,16 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
     cached tokens and their own row's new tokens.
 
     q_nope [T, N, K], q_pe [T, N, P] (rotated), ckv [T, R] (normalised), k_pe [T, P] (rotated): the new
-    tokens'; w_kv_b [R, N, K + V]; pages [L, A, Y, C + pad] (the group's pool; e4m3 with scales [L, A, 2 * Y],
-    or scales None) and `layer`, the index into it (read together with the page ids: one gather, no copy of
-    the layer's pool); table [B, W]; lengths [B]; row, pos, valid [T]. -> [T, N, V] in `dtype` (default the new
-    latents'). Scores and the softmax in float32."""
+    tokens'; w_kv_b [R, N, K + V] (or its HeadMajorKV); pages [L, A, Y, C + pad] (the group's pool; e4m3
+    with scales [L, A, 2 * Y], or scales None) and `layer`, the index into it (read together with the page
+    ids: one gather, no copy of the layer's pool); table [B, W]; lengths [B]; row, pos, valid [T]. -> [T, N,
+    V] in `dtype` (default the new latents'). Scores and the softmax in float32."""
     T, N, K = q_nope_TNK.shape
     R = ckv_TR.shape[-1]
     dt = jnp.dtype(dtype or ckv_TR.dtype)
     f32 = jnp.float32
-    w_kv_b_RNX = materialize(w_kv_b_RNX, dt)
-    w_uk_RNK, w_uv_RNV = w_kv_b_RNX[..., :K], w_kv_b_RNX[..., K:]
-    q_lat_TNR = (jnp.einsum("TNK,RNK->TNR", q_nope_TNK, w_uk_RNK, preferred_element_type=f32) * scale).astype(dt)
+    w_uk_NRK, w_uv_NVR = kv_b_split(w_kv_b_RNX, K, dt)
+    q_lat_TNR = (jnp.einsum("TNK,NRK->TNR", q_nope_TNK, w_uk_NRK, preferred_element_type=f32) * scale).astype(dt)
     q_pe_TNP = (q_pe_TNP.astype(f32) * scale).astype(dt)
     ckv_TR, k_pe_TP = ckv_TR.astype(dt), k_pe_TP.astype(dt)
     D, G = decode, block
@@ -153,7 +173,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         see_DD = valid_T[None, :D] & (row_T[None, :D] == row_T[:D, None]) & (pos_T[None, :D] <= pos_T[:D, None])
         m, l, acc = (x[0] for x in _update(st, s_1DND, see_DD[None, :, None, :], ckv_TR[None, :D], dt))
         o_lat_DNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
-        outs.append(jnp.einsum("DNR,RNV->DNV", o_lat_DNR, w_uv_RNV, preferred_element_type=f32))
+        outs.append(jnp.einsum("DNR,NVR->DNV", o_lat_DNR, w_uv_NVR, preferred_element_type=f32))
     if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each (expanded)
         def blocks(x):
             return x[D:].reshape((M, G) + x.shape[1:])
@@ -162,18 +182,18 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         q_nope_TNK = (q_nope_TNK[D:].astype(f32) * scale).astype(dt)
         parts = []  # (m, l [Tc, N], acc [Tc, N, V]) over disjoint keys
         Q = _tile(M * G, G)
-        if absorbed_is_cheaper(Q, R, K, w_kv_b_RNX.shape[-1]):  # short tiles: every block's prefix absorbed
+        if absorbed_is_cheaper(Q, R, K, K + w_uv_NVR.shape[1]):  # short tiles: every block's prefix absorbed
             cached = live_M
         else:  # each tile's first row reads its prefix expanded, once per tile; other rows' blocks absorbed
             first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)
             cached = live_M & ~first_M
             parts.append(_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
-                                              row_M[::Q // G], Q, *pool, w_kv_b_RNX, CHUNK_VISIT_KEYS))
+                                              row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, CHUNK_VISIT_KEYS))
         m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in cache_state(
             blocks(q_lat_TNR), blocks(q_pe_TNP), row_M, cached, *pool, CHUNK_VISIT_KEYS))
         # W_UV takes the absorbed part's latent sum to values.
-        parts.append((m1, l1, jnp.einsum("TNR,RNV->TNV", acc1.astype(dt), w_uv_RNV, preferred_element_type=f32)))
-        parts.append(_over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_kv_b_RNX, row_M,
+        parts.append((m1, l1, jnp.einsum("TNR,NVR->TNV", acc1.astype(dt), w_uv_NVR, preferred_element_type=f32)))
+        parts.append(_over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_uk_NRK, w_uv_NVR, row_M,
                                  pos_T[D:], valid_T[D:], G, dt))
         m = functools.reduce(jnp.maximum, [p[0] for p in parts])
         a = [jnp.exp(p[0] - m) for p in parts]
@@ -265,7 +285,7 @@ def _visit_keys(pages_LAYC, scales_LA2Y, layer, table_xW, i, v: int, C: int, R: 
 
 
 def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAYC, scales_LA2Y, layer,
-                         table_BW, lengths_B, R, pad, dt, w_kv_b_RNX, visit_keys: int):
+                         table_BW, lengths_B, R, pad, dt, w_uk_NRK, w_uv_NVR, visit_keys: int):
     """The chunk region's tiles of Q tokens over their first row's cached keys, expanded per head once per
     tile and visit (for a long chunk the cheaper form, as in k2jax.ops.attention.attend): -> (m, l [T, N],
     acc [T, N, V]) for the queries of query_T [T] (the tokens of their tile's first row), nothing seen for
@@ -290,8 +310,9 @@ def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAY
     def visit(i, st):
         m, l, acc = st
         x_nZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_nW, i, v, C, R, dt)
-        kv_nNZX = jnp.einsum("nZR,RNX->nNZX", x_nZC[..., :R], w_kv_b_RNX, preferred_element_type=f32).astype(dt)
-        s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, kv_nNZX[..., :K], preferred_element_type=f32)
+        k_nNZK = jnp.einsum("nZR,NRK->nNZK", x_nZC[..., :R], w_uk_NRK, preferred_element_type=f32).astype(dt)
+        v_nNZV = jnp.einsum("nZR,NVR->nNZV", x_nZC[..., :R], w_uv_NVR, preferred_element_type=f32).astype(dt)
+        s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, k_nNZK, preferred_element_type=f32)
                   + jnp.einsum("nNQP,nZP->nNQZ", q_pe_nNQP, x_nZC[..., R:], preferred_element_type=f32))
         see_nQZ = query_nQ[:, :, None] & ((i * v * Y + jnp.arange(v * Y))[None, :] < len_n[:, None])[:, None, :]
         see = see_nQZ[:, None]
@@ -299,17 +320,17 @@ def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAY
         m_new = jnp.maximum(m, s_nNQZ.max(-1))
         p_nNQZ = jnp.where(see, jnp.exp(s_nNQZ - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("nNQZ,nNZV->nNQV", p_nNQZ.astype(dt), kv_nNZX[..., K:], preferred_element_type=f32)
+        pv = jnp.einsum("nNQZ,nNZV->nNQV", p_nNQZ.astype(dt), v_nNZV, preferred_element_type=f32)
         return m_new, l * corr + p_nNQZ.sum(-1), acc * corr[..., None] + pv
 
-    V = w_kv_b_RNX.shape[-1] - K
+    V = w_uv_NVR.shape[1]
     init = (jnp.full((n, N, Q), _NEG_INF, f32), jnp.zeros((n, N, Q), f32), jnp.zeros((n, N, Q, V), f32))
     m, l, acc = jax.lax.fori_loop(0, visits, visit, init)
     return (jnp.moveaxis(m, 1, 2).reshape(Tc, N), jnp.moveaxis(l, 1, 2).reshape(Tc, N),
             jnp.moveaxis(acc, 1, 2).reshape(Tc, N, V))
 
 
-def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T, valid_T, G: int, dt):
+def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_uk_NRK, w_uv_NVR, row_M, pos_T, valid_T, G: int, dt):
     """The chunk region's attention over its own new tokens, keys and values expanded per head (for many
     queries per key that is the cheaper form: K + P + V per query, key and head, against 2R + P absorbed):
     -> the online-softmax state (m, l [T, N], acc [T, N, V]) after each query's row's new tokens up to its
@@ -323,13 +344,14 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
     f32 = jnp.float32
     # Head-major ([N, T, ...]): each product is then one batched matmul with the heads leading (XLA:CPU
     # runs heads in the middle as many small products; see k2jax.ops.attention.attend_expanded).
-    kv_NTX = jnp.einsum("TR,RNX->NTX", ckv_TR, w_kv_b_RNX, preferred_element_type=f32).astype(dt)
+    k_NTK = jnp.einsum("TR,NRK->NTK", ckv_TR, w_uk_NRK, preferred_element_type=f32).astype(dt)
+    v_NTV = jnp.einsum("TR,NVR->NTV", ckv_TR, w_uv_NVR, preferred_element_type=f32).astype(dt)
 
     def tiles(x):  # [N, T, ...] -> [n, N, Q, ...]
         return jnp.moveaxis(x.reshape((x.shape[0], n, Q) + x.shape[2:]), 1, 0)
 
     q_nope, q_pe, k_nope, v = (tiles(x) for x in (q_nope_TNK.transpose(1, 0, 2), q_pe_TNP.transpose(1, 0, 2),
-                                                  kv_NTX[..., :K], kv_NTX[..., K:]))
+                                                  k_NTK, v_NTV))
     k_pe = k_pe_TP.reshape(n, Q, -1)
 
     def flat_tiles(x):
@@ -344,7 +366,7 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
         outs = []
         for i in range(n):
             end = (i + 1) * Q
-            s_NQS = (jnp.einsum("NQK,NSK->NQS", q_nope[i], kv_NTX[:, :end, :K], preferred_element_type=f32)
+            s_NQS = (jnp.einsum("NQK,NSK->NQS", q_nope[i], k_NTK[:, :end], preferred_element_type=f32)
                      + jnp.einsum("NQP,SP->NQS", q_pe[i], k_pe_TP[:end], preferred_element_type=f32))
             see_1QS = (valid_T[None, :end] & (jnp.repeat(row_M, G)[None, :end] == row_nQ[i][:, None])
                        & (pos_T[None, :end] <= pos_nQ[i][:, None]))[None]
@@ -355,7 +377,7 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, row_M, pos_T,
             # The probabilities normalised before they are rounded to dt, as a plain softmax would be (the
             # model's own forward: a prompt's scores then follow it to float32 rounding), then scaled back.
             p_NQS = (p_NQS / jnp.where(l_NQ > 0, l_NQ, 1.0)[..., None]).astype(dt)
-            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS, kv_NTX[:, :end, K:], preferred_element_type=f32)
+            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS, v_NTV[:, :end], preferred_element_type=f32)
             outs.append((m_NQ, l_NQ, acc_NQV * l_NQ[..., None]))
         m, l, acc = (jnp.concatenate([o[k] for o in outs], 1) for k in range(3))  # [N, Tc, ...]
         return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import empty_pool, lane, pool_shapes, pool_sharding, rows_sharding, token_width
-from k2jax.nn.model import HIDDEN, K2Model, copied_expert_bytes, expert_views
+from k2jax.nn.model import HIDDEN, K2Model, copied_expert_bytes, expert_views, head_major_bytes, head_major_kv
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.ops.ragged import RaggedCache
@@ -86,7 +86,8 @@ class Runner:
     on `mesh` (slots and pages split over the batch's mesh axes) or one device; `step(shape, batch)` runs
     one step. The params stay the caller's (placed on the mesh already, or on one device; on one CPU device
     the steps also take k2jax.nn.model.expert_views of them: views of the down projections' stacks and
-    output-major copies of the gate and up ones, `extra_bytes` in all).
+    output-major copies of the gate and up ones; and the ragged steps a head-major copy of kv_b_proj,
+    k2jax.nn.model.head_major_kv; `extra_bytes` in all).
 
     abstract=True: nothing is allocated; the state is jax.ShapeDtypeStructs with their shardings
     (`state_shapes`) and the params may be too, for `lower(shape).compile()` ahead of time, e.g. for a TPU
@@ -248,7 +249,7 @@ class Runner:
 
     def lower(self, shape: StepShape, params=None, state=None):
         """The step of `shape` lowered (not compiled) on abstract or concrete arguments."""
-        params = self.params if params is None else params
+        params = self._params_for(shape) if params is None else params
         state = self.state if state is None else state
         batch = self.batch_shapes(shape)
         # On a mesh the state comes back placed as it went in (else the compiler may choose another
@@ -290,13 +291,21 @@ class Runner:
     def set_params(self, params) -> None:
         """The params the steps take from now on (the same tree structure as before). On one CPU device the
         steps read the routed experts through per-layer arrays, made here once per params object: views of
-        down_proj and output-major copies of gate and up (k2jax.nn.model.expert_views), `extra_bytes` of
-        copies in all."""
+        down_proj and output-major copies of gate and up (k2jax.nn.model.expert_views); and the ragged steps
+        take kv_b_proj head-major (k2jax.nn.model.head_major_kv): `extra_bytes` of copies in all."""
         if params is self._given:
             return
         self._given = params
-        self.params = expert_views(params, output_major=True) if self.mesh is None else params
-        self.extra_bytes = copied_expert_bytes(self.params)
+        if self.mesh is not None:
+            self.params = self._ragged_params = params
+            self.extra_bytes = 0
+            return
+        self.params = expert_views(params, output_major=True)
+        self._ragged_params = head_major_kv(self.params, self.model.cfg.qk_nope_head_dim)
+        self.extra_bytes = copied_expert_bytes(self.params) + head_major_bytes(self._ragged_params)
+
+    def _params_for(self, shape):
+        return self._ragged_params if isinstance(shape, RaggedShape) else self.params
 
     def step(self, shape: StepShape | RaggedShape, batch: StepInput | RaggedInput) -> dict:
         """Run one step of `shape` on host inputs (a StepInput, see host_batch; a RaggedInput for a RaggedShape,
@@ -311,7 +320,7 @@ class Runner:
         sh = self._shardings(shape)
         if sh is not None:
             batch = jax.device_put(batch, sh)
-        self.state, out = self._compiled[shape](self.params, self.state, batch)
+        self.state, out = self._compiled[shape](self._params_for(shape), self.state, batch)
         return out
 
 

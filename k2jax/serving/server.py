@@ -391,8 +391,8 @@ def _run(args, sock) -> int:
              f"{_bytes_by_dtype({'pages': state['pages'], 'scales': state['scales']})}; {engine.max_batch} slots, "
              f"at most {args.max_len} tokens per request; prefix cache {'off' if args.no_prefix_cache else 'on'}")
     if engine.runner.extra_bytes:
-        log.info(f"XLA:CPU: the gate and up experts are also held output-major, which its decode dots read "
-                 f"faster: {engine.runner.extra_bytes / 1e6:.2f} MB more")
+        log.info(f"XLA:CPU: the gate and up experts are also held output-major and kv_b_proj head-major, the "
+                 f"layouts its dots read fastest: {engine.runner.extra_bytes / 1e6:.2f} MB more")
     programs = len(set(engine.sched.shapes()))
     _check_map_count(programs, log)
     log.info(f"warming up: tracing and compiling {programs} step programs ({engine.programs_cause()}), several "
