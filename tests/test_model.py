@@ -184,11 +184,10 @@ def test_output_major_expert_views_hold_the_transposes_and_give_the_same_model()
 def test_runner_steps_through_the_views_equal_the_reference():
     """The runtime's steps on one CPU device take expert_views of the params: greedy generation through them
     equals the argmax of the dense reference's full forward, token by token."""
+    from k2jax.ops.moe import OutputMajor
+    from k2jax.runtime import generate as generate_module
     from k2jax.runtime.generate import generate
     from k2jax.runtime.runner import Runner
-
-    from k2jax.runtime import generate as generate_module
-    from k2jax.ops.moe import OutputMajor
 
     cfg = TINY.replace(num_hidden_layers=4)
     params = random_params(cfg, seed=3)

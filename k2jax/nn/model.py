@@ -175,8 +175,7 @@ def expert_views(params, output_major: bool = False):
     stacks = params.get("moe_layers", {}).get("mlp", {}).get("experts") if isinstance(params, dict) else None
     if stacks is None or EXPERT_VIEWS in params:
         return params
-    if not all(isinstance(a, jax.Array) and len(a.devices()) == 1 and a.is_fully_addressable
-               and next(iter(a.devices())).platform == "cpu" for a in jax.tree.leaves(stacks)):
+    if not all(_on_one_cpu(a) for a in jax.tree.leaves(stacks)):
         return params
     by_layer = {}
     for name, stack in stacks.items():  # a plain array or a QuantizedWeight (values and scales)
@@ -211,12 +210,11 @@ def head_major_kv(params, K: int):
     for group in ("dense_layers", "moe_layers"):
         attn = params.get(group, {}).get("self_attn", {})
         w = attn.get("kv_b_proj")
-        if not (isinstance(w, jax.Array) and len(w.devices()) == 1 and next(iter(w.devices())).platform == "cpu"):
+        if not _on_one_cpu(w):
             continue
-        host, device = np.asarray(w), next(iter(w.devices()))
-        uk = np.ascontiguousarray(np.transpose(host[..., :K], (0, 2, 1, 3)))
-        uv = np.ascontiguousarray(np.transpose(host[..., K:], (0, 2, 3, 1)))
-        head_major = HeadMajorKV(jax.device_put(uk, device), jax.device_put(uv, device))
+        host = np.asarray(w)
+        head_major = HeadMajorKV(_host_copy(np.transpose(host[..., :K], (0, 2, 1, 3)), w),
+                                 _host_copy(np.transpose(host[..., K:], (0, 2, 3, 1)), w))
         out[group] = params[group] | {"self_attn": attn | {"kv_b_proj": head_major}}
     return out
 
@@ -231,9 +229,19 @@ def _output_major_layers(stack_LEDF) -> tuple:
     """Each layer of a [L, E, D, F] stack as OutputMajor([E, F, D]), transposed on the host one layer at a
     time (so at most one layer's temporary beside the copies)."""
     host = np.asarray(stack_LEDF)
-    device = next(iter(stack_LEDF.devices()))
-    return tuple(OutputMajor(jax.device_put(np.ascontiguousarray(np.swapaxes(host[i], -1, -2)), device))
-                 for i in range(host.shape[0]))
+    return tuple(OutputMajor(_host_copy(np.swapaxes(host[i], -1, -2), stack_LEDF)) for i in range(host.shape[0]))
+
+
+def _on_one_cpu(a) -> bool:
+    """Whether a is a concrete jax array held whole on one CPU device: where the runtime's per-layer views
+    and layout copies are made."""
+    return (isinstance(a, jax.Array) and len(a.devices()) == 1 and a.is_fully_addressable
+            and next(iter(a.devices())).platform == "cpu")
+
+
+def _host_copy(host, like):
+    """host (a numpy array, e.g. a transpose of like's host view) copied contiguous onto like's device."""
+    return jax.device_put(np.ascontiguousarray(host), next(iter(like.devices())))
 
 
 def _layer_views(a, copy_ok: bool = False):
