@@ -84,14 +84,14 @@ def _plan_compile(args, cfg, kw, what) -> int:
     from k2jax.aot import compile as aot
     from k2jax.aot.report import format_compile, plan_json, result_json
     from k2jax.aot.topology import chip_name, chips_in, load_topology, topology_mesh
-    from k2jax.runtime.cache import TPU_LANE
+    from k2jax.runtime.cache import TPU_LANE, data_shards
     from k2jax.plan import CHIPS, GiB, Chip, plan, search
 
     name = chip_name(args.compile)
     if not (args.batch and args.max_len):
         raise ValueError("--compile needs the cache the programs run on: --batch ROWS --max-len TOKENS")
     programs = tuple(x.strip() for x in args.programs.split(",") if x.strip())
-    shapes = aot.step_shapes(args.batch, args.max_len, args.page_size, args.prefill, args.chunk, programs)
+    aot.check_programs(programs)
     chips = chips_in(args.compile)
     if args.chips is not None and args.chips != chips:
         raise ValueError(f"--chips {args.chips}: topology {args.compile} has {chips} chips")
@@ -108,10 +108,12 @@ def _plan_compile(args, cfg, kw, what) -> int:
     mesh_spec = args.mesh or search(cfg, chips, part.hbm, reserve=args.reserve, **kw)[0].mesh_spec
     p = plan(cfg, mesh_spec, **kw)
     mesh = topology_mesh(topo.devices, mesh_spec)
+    shapes = aot.step_shapes(args.batch, args.max_len, args.page_size, args.prefill, args.chunk, programs,
+                             data_shards(mesh, args.batch))
 
     def progress(r):
         state = "FAILED" if r.error else f"{r.seconds:.0f} s"
-        print(f"compiled {r.name} ({r.shape.rows} x {r.shape.tokens}): {state}", file=sys.stderr, flush=True)
+        print(f"compiled {r.name} ({r.shape.total_tokens} tokens): {state}", file=sys.stderr, flush=True)
 
     results = aot.compile_programs(cfg, mesh, p, shapes, on_progress=progress)
     if args.json:
@@ -260,8 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of each chip's memory kept free for activations and temporaries (default 0.1)")
     p.add_argument("--top", type=int, default=5, help="meshes shown by a search (default 5)")
     p.add_argument("--programs", default="decode,prefill,chunk",
-                   help="with --compile: which of decode, prefill, chunk, decode1, burst (default "
-                        "decode,prefill,chunk)")
+                   help="with --compile: which of decode, prefill, chunk, decode1, burst, ragged (serve's "
+                        "ragged step, every row decoding), ragged_chunk (the same with a --chunk prompt chunk "
+                        "per data-parallel shard) (default decode,prefill,chunk)")
     p.add_argument("--prefill", type=int, default=8192, help="with --compile: prefill chunk tokens (default 8192)")
     p.add_argument("--chunk", type=int, default=512,
                    help="with --compile: later prompt chunk tokens, as serve's --prefill-chunk (default 512)")

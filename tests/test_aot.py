@@ -18,6 +18,7 @@ from k2jax.aot import compile as aot
 from k2jax.aot.topology import has_libtpu, load_topology, topology_mesh
 from k2jax.cli import main as cli_main
 from k2jax.plan import CHIPS, GiB, plan, search
+from k2jax.runtime.cache import data_shards
 from tests.conftest import CONFIGS
 
 if not has_libtpu():
@@ -36,8 +37,9 @@ def compiled(topology, batch, max_len, programs, quant=None, mesh=None):
     topo = load_topology(topology)
     spec = mesh or search(KIMI, len(topo.devices), chip.hbm, **kw)[0].mesh_spec
     p = plan(KIMI, spec, **kw)
-    shapes = aot.step_shapes(batch, max_len, p.kv.page_size, programs=programs)
-    results = aot.compile_programs(KIMI, topology_mesh(topo.devices, spec), p, shapes)
+    mesh = topology_mesh(topo.devices, spec)
+    shapes = aot.step_shapes(batch, max_len, p.kv.page_size, programs=programs, shards=data_shards(mesh, batch))
+    results = aot.compile_programs(KIMI, mesh, p, shapes)
     for r in results:
         assert r.error is None, f"{topology} {spec} {r.name}: the compiler refused it: {r.error}"
     return {r.name: r for r in results}, p
@@ -45,9 +47,9 @@ def compiled(topology, batch, max_len, programs, quant=None, mesh=None):
 
 @pytest.fixture(scope="module")
 def v5p_64():
-    """Kimi K2 bf16 on v5p:4x4x4 (64 chips), batch 64 x 8192: decode, a 1 x 8192 prefill and a later
-    512-token chunk of a lone row."""
-    return compiled("v5p:4x4x4", 64, 8192, ("decode", "prefill", "chunk"))
+    """Kimi K2 bf16 on v5p:4x4x4 (64 chips), batch 64 x 8192: decode, a 1 x 8192 prefill, a later
+    512-token chunk of a lone row, and serve's ragged step with every row decoding."""
+    return compiled("v5p:4x4x4", 64, 8192, ("decode", "prefill", "chunk", "ragged"))
 
 
 def test_kimi_k2_bf16_on_v5p_64_within_the_goal(v5p_64):
@@ -68,6 +70,21 @@ def test_kimi_k2_bf16_on_v5p_64_within_the_goal(v5p_64):
     # The TPU-roofline goal: decode moves at most 1.2x its arguments (the weights, the pool and the sampling
     # state read once; 1.13x since the paged cache and kv_b_proj are read in place).
     assert decode.moved_bytes <= 1.2 * decode.argument_bytes, decode.moved_bytes / decode.argument_bytes
+
+
+def test_the_ragged_step_on_v5p_64_reads_in_place(v5p_64):
+    """serve's ragged step on the mesh, every row decoding: one segment per data-parallel shard (64, one row
+    each), each attending over its own part of the pool through the paged kernel (no loop over the cache
+    left in the program), within the same memory and traffic bounds as the rectangular decode."""
+    res, _ = v5p_64
+    ragged, decode = res["ragged"], res["decode"]
+    assert ragged.shape.shards == 64 and ragged.shape.tokens == 64
+    assert ragged.total_bytes <= 54 * GiB, ragged.total_bytes / GiB
+    assert ragged.weight_collectives == []
+    assert not any(loop.trips is None for loop in ragged.loops)  # the kernel reads the pages, no XLA loop
+    assert sum(c["bytes"] for c in ragged.collectives.values()) < 1 * GiB
+    assert ragged.moved_bytes <= 1.2 * ragged.argument_bytes, ragged.moved_bytes / ragged.argument_bytes
+    assert ragged.moved_bytes <= 1.05 * decode.moved_bytes, ragged.moved_bytes / decode.moved_bytes
 
 
 def test_a_lone_rows_prompt_is_split_over_the_chips(v5p_64):

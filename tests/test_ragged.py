@@ -2,6 +2,7 @@
 row: decoding rows and prompt chunks of any lengths in one flat batch, each over its own cached prefix, give
 the logits and the cache the rectangular step with the plain attention gives each row."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -222,3 +223,134 @@ def test_layout_names_what_does_not_fit():
         lay_out(shape, {2: Feed((1,), 0, (1,))})
     with pytest.raises(ValueError, match="holds 3 pages"):
         lay_out(shape, {0: Feed((1,), 0, (1, 2, 3))})
+
+
+def _one_device(cache):
+    """The cache's pool, table and lengths fetched whole onto one device: read by global page ids."""
+    def get(x):
+        return jnp.asarray(np.asarray(x))
+
+    return dataclasses.replace(cache, pages=jax.tree.map(get, cache.pages), scales=jax.tree.map(get, cache.scales),
+                               page_table=get(cache.page_table), lengths=get(cache.lengths), shard_axes=())
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
+@pytest.mark.parametrize("spec", ["data=2,tensor=4", "data=2,expert=2,tensor=2", None],
+                         ids=["data2_tensor4", "data2_expert2_tensor2", "no_mesh"])
+def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, spec):
+    """A flat batch in one segment per data-parallel shard (each shard's rows, chunks and pool part): on a
+    mesh each shard attends and writes under shard_map; without one (the plain form) the segments run one
+    after another. Both against the plain rectangular call on one device reading the same pool."""
+    from k2jax.sharding import make_mesh, use_mesh
+
+    mesh = make_mesh(spec or "data=2,tensor=4")  # without a mesh: a 2-shard pool's layout, on one device
+    B = len(ROWS)
+    sharded = init_cache(TINY, B, MAX_LEN, kv_dtype, page_size=PAGE, mesh=mesh)
+    shards = int(np.prod([mesh.shape[a] for a in sharded.shard_axes]))
+    assert shards > 1
+    assert np.asarray(sharded.page_table)[B // shards, 0] == (1 + B // shards * (MAX_LEN // PAGE)) + 1  # shard 1
+    cache = _one_device(sharded)
+    held = np.array([h for h, _ in ROWS])
+    T = int(held.max())
+    _, cache = jax.jit(lambda p, t, m, c: K2Model(TINY).apply({"params": p}, t, None, m, c))(
+        params, jnp.asarray(tokens[:, :T]), jnp.asarray(np.arange(T)[None, :] < held[:, None]), cache)
+    want_logits, want_cache = _plain(params, tokens, cache)
+    feeds = _feeds(tokens, cache)
+    per = B // shards
+    blocks = max(sum(-(-n // 4) for b, (_, n) in enumerate(ROWS) if b // per == s and n > 1) for s in range(shards))
+    shape = RaggedShape(2, blocks + 1, 4, B, MAX_LEN // PAGE, shards=shards)
+    meta = lay_out(shape, feeds)
+    assert set(np.asarray(meta["row"])[:shape.segment]) <= set(range(per))  # segment 0: shard 0's rows only
+    Ts = shape.segment
+    at = (meta["last"] - np.arange(B) // per * Ts).reshape(shards, per)
+    if spec is not None:
+        place_ = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharded.shard_axes))
+        pool = jax.device_put((cache.pages, cache.scales), place_)
+    else:
+        pool = (cache.pages, cache.scales)
+    rc = RaggedCache(*pool, jnp.asarray(meta["table"]), jnp.asarray(meta["lengths"]), jnp.asarray(meta["row"]),
+                     jnp.asarray(meta["pos"]), jnp.asarray(meta["valid"]), TINY.qk_rope_head_dim, shape.decode,
+                     shape.block, cache.pad, shards, sharded.shard_axes if spec else ())
+    with use_mesh(mesh) if spec else contextlib.nullcontext():
+        logits, got = _RAGGED(params, jnp.asarray(meta["tokens"]).reshape(shards, Ts),
+                              jnp.asarray(meta["valid"]).reshape(shards, Ts), rc, jnp.asarray(at))
+    logits = np.asarray(logits).reshape(B, -1)
+    tol = 1e-5 if kv_dtype == "float32" else 2e-4
+    for b, (_, n) in enumerate(ROWS):
+        if n:
+            np.testing.assert_allclose(logits[b], np.asarray(want_logits[b, n - 1]), atol=tol, rtol=tol,
+                                       err_msg=f"row {b}")
+    np.testing.assert_array_equal(np.asarray(got.lengths), [h + n for h, n in ROWS])
+    trash = np.arange(cache.page_table.shape[0] * 0 + next(iter(cache.pages.values())).shape[1]) % (
+        next(iter(cache.pages.values())).shape[1] // shards) == 0  # each shard's trash page
+    for g in want_cache.pages:
+        got_g, want_g = np.asarray(got.pages[g], np.float32), np.asarray(want_cache.pages[g], np.float32)
+        np.testing.assert_allclose(got_g[:, ~trash], want_g[:, ~trash], atol=tol, rtol=tol)
+        if kv_dtype == "float8":
+            np.testing.assert_allclose(np.asarray(got.scales[g])[:, ~trash],
+                                       np.asarray(want_cache.scales[g])[:, ~trash], rtol=1e-6)
+
+
+def test_sharded_layout_keeps_each_segment_to_its_shard():
+    shape = RaggedShape(2, 2, 4, 4, 3, shards=2)
+    feeds = {0: Feed((5,), 3, (1, 2)), 1: Feed((6, 7, 8), 0, (3,)), 2: Feed((9,), 1, (8,)),
+             3: Feed((1, 2, 3, 4, 5), 4, (9, 10))}
+    meta = lay_out(shape, feeds)
+    assert shape.segment == 10 and shape.tokens == 20
+    assert place(shape, feeds) == {0: ("decode", 0), 1: ("chunk", 2), 2: ("decode", 10), 3: ("chunk", 12)}
+    np.testing.assert_array_equal(meta["row"], [0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3])
+    np.testing.assert_array_equal(meta["last"], [0, 4, 10, 16])
+    np.testing.assert_array_equal(meta["pos"][12:17], [4, 5, 6, 7, 8])
+    with pytest.raises(ValueError, match="row 3's 9 tokens do not fit"):
+        lay_out(shape, feeds | {3: Feed((1,) * 9, 0, (9, 10))})
+    with pytest.raises(ValueError, match="do not split over 3 shards"):
+        RaggedShape(2, 2, 4, 4, 3, shards=3)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "fp8"])
+def test_kv_b_read_out_of_the_stack(fmt):
+    """With the model's kv_b_proj stack in the cache (K2Model.forward hands it), a ragged step's layer takes
+    W_UK and W_UV from the stack at its layer (1 here), not from the weight passed in: a plain stack's halves
+    each read by their own product, an fp8 one in head-aligned blocks read as held (its block scales after the
+    product over K, on the latent before the one over R: k2jax.ops.paged.head_blocks). Decode tokens and a
+    chunk block, against ragged_attention given the layer's weight (dequantized to bf16)."""
+    from k2jax.ops.paged import head_blocks
+    from k2jax.ops.quant import dequantize_weight, quantize_weight
+    from k2jax.ops.ragged import RaggedContext, ragged_attention
+
+    L, A, Y, R, P, N, K, V = 2, 8, 4, 32, 8, 2, 128, 128
+    rng = np.random.default_rng(0)
+    bf = jnp.bfloat16
+    pages = jnp.asarray(rng.standard_normal((L, A, Y, R + P)), bf)
+    table = jnp.asarray([[1, 2], [3, 4], [5, 6]], jnp.int32)
+    lengths = jnp.asarray([5, 2, 7], jnp.int32)
+    # decode tokens of rows 1 and 2, a padding one, then a block of row 0's next 3 tokens and a padding one
+    row_T = jnp.asarray([1, 2, 0, 0, 0, 0, 0], jnp.int32)
+    pos_T = jnp.asarray([2, 7, 0, 5, 6, 7, 0], jnp.int32)
+    valid_T = np.array([1, 1, 0, 1, 1, 1, 0], bool)
+    T = len(valid_T)
+    q_nope, q_pe = (jnp.asarray(rng.standard_normal((1, T, N, d)), bf) for d in (K, P))
+    ckv, k_pe = (jnp.asarray(rng.standard_normal((1, T, d)), bf) for d in (R, P))
+    w = rng.standard_normal((2, R, N, K + V)).astype(np.float32) * 0.2
+    w[1, :, 1] *= 4.0  # blocks of different scales
+    stack = quantize_weight(w, "fp8", 1, 1) if fmt == "fp8" else jnp.asarray(w, bf)
+    layer_w = dequantize_weight(stack[1], bf) if fmt == "fp8" else stack[1]
+    if fmt == "fp8":
+        assert head_blocks(stack, K)
+    scale = K ** -0.5
+
+    def attend(layer, kv_b):
+        cache = RaggedCache({"g": pages}, {}, table, lengths, row_T, pos_T, jnp.asarray(valid_T), P, 3, 4,
+                            kv_b=kv_b)
+        ctx = RaggedContext(cache, "g", jnp.asarray(layer), bf)
+        return np.asarray(jax.jit(lambda *a: ctx.attend(*a, None, scale))(q_nope, q_pe, ckv, k_pe, layer_w * 0.5),
+                          np.float32)[0]
+
+    got = attend(1, {"g": stack})
+    want = np.asarray(ragged_attention(q_nope[0], q_pe[0], ckv[0], k_pe[0], layer_w, scale, pages, None,
+                                       jnp.asarray(1), table, lengths, row_T, pos_T, jnp.asarray(valid_T), 3, 4,
+                                       0, bf), np.float32)
+    assert np.abs(want[valid_T]).max() > 0.5
+    tol = 0.02 * np.abs(want[valid_T]).max()
+    np.testing.assert_allclose(got[valid_T], want[valid_T], atol=tol)
+    assert np.abs(attend(0, {"g": stack})[valid_T] - want[valid_T]).max() > 10 * tol  # layer 0 is another

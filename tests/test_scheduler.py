@@ -65,6 +65,28 @@ def test_a_long_prompt_is_cut_to_the_budget_and_pages_are_taken_as_it_grows():
     assert fed == [32, 18]
 
 
+def test_each_shard_fills_its_own_segment_and_the_fullest_sizes_the_step():
+    """Two data-parallel shards (slots 0-1 on shard 0, 2-3 on shard 1): each shard's chunks come from its
+    own rows within the same budget, side by side, and the step's segments are as long as the fullest."""
+    pool = PagePool(2 * 17, 2, PAGE, False)
+    sched = Scheduler(4, pool, max_len=64, prefill_chunk=16, idle_chunk=32, ragged_block=4)
+    assert {sh.shards for sh in sched.shapes()} == {2}
+    assert sorted({sh.decode for sh in sched.shapes()}) == [1, 2]  # decode sizes up to a shard's 2 slots
+    a, b, c = _seq(30), _seq(9), _seq(6)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    assert [s.slot for s in (a, b, c)] == [0, 2, 1]  # each to the shard with the most room
+    call = sched.plan_ragged()
+    # Shard 0: a's 30 tokens spend its idle budget (8 blocks of 4), so c waits; shard 1's b runs beside it.
+    assert [(s, n) for s, n in call.rows] == [(a, 30), (None, 0), (b, 9), (None, 0)]
+    assert call.shape == RaggedShape(decode=2, blocks=8, block=4, rows=4, table_pages=8, shards=2)
+    _ran(sched, call)
+    call = sched.plan_ragged()  # a and b decode; c's 6 tokens beside them, in the one chunk region (32)
+    assert [(s, n) for s, n in call.rows] == [(a, 1), (c, 6), (b, 1), (None, 0)]
+    assert call.shape == RaggedShape(decode=2, blocks=8, block=4, rows=4, table_pages=8, shards=2)
+
+
 def test_nothing_to_run_is_no_step():
     sched = _sched()
     assert sched.plan_ragged() is None

@@ -370,16 +370,19 @@ def test_float8_engine_halves_the_pool_and_serves(model_params, solo):
     assert ids[0] == solo(prompt)[0]  # the first token comes from the prefill's own latents
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["rectangular", "ragged"])
 @pytest.mark.parametrize("spec", ["expert=8", "data=2,expert=4", "expert=4,tensor=2"])
-def test_sharded_engine_equals_one_device(model_params, solo, spec):
+def test_sharded_engine_equals_one_device(model_params, solo, spec, ragged):
     """The server's steps with slots and pages split over the batch's mesh axes (and a lone request
-    replicated): the same outputs as one device."""
+    replicated; a ragged step: one segment per shard): the same outputs as one device."""
     model, params = model_params
     mesh = k2jax.make_mesh(spec)
     sharded = jax.device_put(params, k2jax.param_shardings(CFG, mesh, warn=False))
     eng = Engine(model, sharded, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE, kv_tokens=8 * 256,
-                 mesh=mesh)
+                 mesh=mesh, ragged=ragged)
     assert eng.max_batch == {"expert=8": 8, "data=2,expert=4": 8, "expert=4,tensor=2": 4}[spec]  # whole shards
+    if ragged:
+        assert {s.shards for s in eng.sched.shapes()} == {eng.pool.shards}
     prompts = _prompts(6, (5, 21, 9, 30, 2, 12, 7, 16, 3))
     with k2jax.use_mesh(mesh):
         got, _ = _run(eng, prompts)

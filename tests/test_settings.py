@@ -24,7 +24,7 @@ def test_serve_flags_become_one_engine_config():
                              batch_wait_s=0.005, stall_bound=False, ragged=True, speculative="ngram",
                              num_speculative_tokens=3, kv_cache_dtype="float8", prompt_lookup=c.prompt_lookup)
     defaults = engine_config(_flags())
-    assert defaults.ragged is None and defaults.speculative is None and defaults.prefix_cache
+    assert defaults.ragged is True and defaults.speculative is None and defaults.prefix_cache
     assert engine_config(_flags("--step-layout", "rectangular")).ragged is False
 
 

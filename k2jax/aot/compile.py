@@ -32,12 +32,13 @@ from k2jax.aot import hlo
 from k2jax.config import K2Config
 from k2jax.info import active_params_per_token
 from k2jax.runtime.cache import kv_bytes_per_token, lane
+from k2jax.runtime.layout import DEFAULT_BLOCK, RaggedShape
 from k2jax.runtime.runner import Runner, StepShape
 from k2jax.nn.model import K2Model, abstract_params
 from k2jax.placement import param_shardings
 from k2jax.plan import Plan
 
-PROGRAMS = ("decode", "prefill", "chunk", "decode1", "burst")
+PROGRAMS = ("decode", "prefill", "chunk", "decode1", "burst", "ragged", "ragged_chunk")
 DEFAULT_PROGRAMS = ("decode", "prefill", "chunk")
 PROGRAM_HELP = {
     "decode": "one token for every row of the batch, reading the pages of max_len tokens",
@@ -45,21 +46,35 @@ PROGRAM_HELP = {
     "chunk": "a later prompt chunk of one row, reading the longest context that leaves room for it",
     "decode1": "one token for a lone row (not split over the mesh: the compiler partitions its reads)",
     "burst": "first chunks for every row at once (a burst of new requests)",
+    "ragged": "the ragged step of serve with every row decoding (one segment per data-parallel shard; it "
+              "reads as many cached tokens as the rows hold, up to max_len)",
+    "ragged_chunk": "the ragged step of serve with every row decoding and a prompt chunk of --chunk tokens "
+                    "in each data-parallel shard's segment",
 }
 _HLO_DTYPE = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "uint32": "u32",
               "int8": "s8", "uint8": "u8", "bool": "pred", "float8_e4m3fn": "f8e4m3fn", "int64": "s64",
               "uint64": "u64", "int16": "s16", "uint16": "u16", "float64": "f64"}
 
 
-def step_shapes(batch: int, max_len: int, page_size: int, prefill: int = 8192, chunk: int = 512,
-                programs=DEFAULT_PROGRAMS) -> dict[str, StepShape]:
-    """The StepShape of each named program (see PROGRAM_HELP) for a cache of `batch` rows of `max_len`."""
+def check_programs(programs) -> None:
+    """Raise ValueError naming the first unknown program name."""
     bad = [p for p in programs if p not in PROGRAMS]
     if bad:
         raise ValueError(f"programs: unknown program {bad[0]!r} (programs: {', '.join(PROGRAMS)})")
+
+
+def step_shapes(batch: int, max_len: int, page_size: int, prefill: int = 8192, chunk: int = 512,
+                programs=DEFAULT_PROGRAMS, shards: int = 1) -> dict[str, StepShape | RaggedShape]:
+    """The step shape of each named program (see PROGRAM_HELP) for a cache of `batch` rows of `max_len`;
+    shards: the data-parallel shards the mesh splits the rows into (a ragged step's segments)."""
+    check_programs(programs)
     W = -(-max_len // page_size)
     out = {}
     for name in programs:
+        if name in ("ragged", "ragged_chunk"):
+            G = DEFAULT_BLOCK
+            blocks = -(-min(chunk, max_len) // G) if name == "ragged_chunk" else 0
+            out[name] = RaggedShape(batch // shards, blocks, G, batch, W, shards=shards)
         if name == "decode":
             out[name] = StepShape(batch, 1, W, W)
         elif name == "decode1":
@@ -173,7 +188,7 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     res.copy_limit, res.weight_copies, res.weight_collectives = check_weights(module, labels, runner.cfg, p)
     moved = hlo.traffic(module, top=5)
     res.moved_bytes, res.flops, res.movers = moved.bytes, moved.flops, list(moved.top)
-    res.model_flops = 2 * active_params_per_token(runner.cfg) * shape.rows * shape.tokens
+    res.model_flops = 2 * active_params_per_token(runner.cfg) * shape.total_tokens
     opt = cost.get("optimal_seconds")
     res.optimal_seconds = float(opt) if opt is not None and opt > 0 else None
     if keep_hlo:

@@ -9,6 +9,7 @@ import dataclasses
 from k2jax.aot.compile import Result
 from k2jax.aot.hlo import Array
 from k2jax.plan import Chip, Plan, mesh_str
+from k2jax.runtime.layout import RaggedShape
 from k2jax.sharding import format_bytes
 
 TOLERANCE = 0.05  # the plan's estimate and the compiler's figure: a larger difference is explained
@@ -67,7 +68,10 @@ def format_compile(results: list[Result], p: Plan, topology: str, chip: Chip, re
              f"{'aliased':>9} {'total':>9} {'plan args':>10} {'diff':>6} {'compile':>8}"]
     for r in results:
         s = r.shape
-        head = f"{r.name:<8} {f'{s.rows} x {s.tokens}':>13} {f'{s.read_pages}/{s.table_pages}':>9}"
+        if isinstance(s, RaggedShape):  # flat tokens; pages read: as many as the rows hold
+            head = f"{r.name:<8} {f'{s.tokens} flat':>13} {f'-/{s.table_pages}':>9}"
+        else:
+            head = f"{r.name:<8} {f'{s.rows} x {s.tokens}':>13} {f'{s.read_pages}/{s.table_pages}':>9}"
         if r.error:
             lines.append(f"{head}  FAILED after {r.seconds:.0f} s")
             continue
@@ -122,7 +126,7 @@ def step_model(r: Result, chip: Chip, devices: int) -> dict | None:
     - seconds = max(moved bytes / HBM bandwidth, flops / bf16 peak) + collective bytes / ICI bandwidth;
     - ideal_seconds = max(argument bytes / HBM bandwidth, model flops / chips / bf16 peak): every argument
       read once, and only the model's own matmul work (2 x active parameters per token), evenly split;
-    - tokens per second for the slice (the step's rows x tokens / seconds) and per chip, and the MFU (model
+    - tokens per second for the slice (the step's token positions / seconds) and per chip, and the MFU (model
       flops over the slice's peak for the modeled time)."""
     if r.error or not (chip.hbm_bandwidth and chip.bf16_flops and chip.ici_bandwidth):
         return None
@@ -132,7 +136,7 @@ def step_model(r: Result, chip: Chip, devices: int) -> dict | None:
     ici_s = collective / chip.ici_bandwidth
     seconds = max(memory_s, compute_s) + ici_s
     ideal = max(r.argument_bytes / chip.hbm_bandwidth, r.model_flops / devices / chip.bf16_flops)
-    tokens = r.shape.rows * r.shape.tokens
+    tokens = r.shape.total_tokens
     slice_tps = tokens / seconds if seconds else 0.0
     return {"moved_bytes": r.moved_bytes, "moved_over_arguments": r.moved_bytes / max(r.argument_bytes, 1),
             "flops": r.flops, "collective_bytes": collective, "memory_seconds": memory_s,

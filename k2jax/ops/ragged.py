@@ -24,20 +24,28 @@ Letters as in k2jax.nn.mla: T flat tokens, D decode tokens, M chunk blocks, G to
 W pages per row, A pages in the pool, Y tokens per page, N heads, R kv_lora_rank, P rope head dim, C = R + P,
 K nope head dim, V value head dim. `g` is the tokens sharing one row's reads (1 in the decode region, G in the
 chunk region), Z the keys one visit reads (visit_pages * Y).
+
+On a mesh whose data-parallel shards split the pool (k2jax.ops.paged: each shard owns a contiguous part, its
+trash page first), the flat batch has S segments, one per shard (k2jax.runtime.layout), and the model takes
+it as tokens [S, T / S]: each shard attends over its own segment, rows and part of the pool under shard_map
+(`RaggedCache.shards`), and reads or writes no other chip's pages. Without such a mesh the segments run one
+after another: the plain form, equal by construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from k2jax.ops.paged import TRASH_PAGE, gather_latents, quantize_latents, set_scales
-from k2jax.ops.attention import absorbed_is_cheaper
+from k2jax.ops.paged import TRASH_PAGE, gather_latents, head_blocks, quantize_latents, set_scales
+from k2jax.ops.attention import absorbed_is_cheaper, stack_halves
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
+from k2jax.sharding import per_shard, split_axes
 
 _NEG_INF = -1e30
 # Cached keys an online-softmax visit reads per row (whole pages: at least one), for a decode token and for a
@@ -54,9 +62,10 @@ UNROLL_TILES = 4  # up to this many tiles, each query tile takes its keys in one
 class RaggedCache:
     """The paged pool (as k2jax.ops.paged.PagedCache: pages {group: [L, A, Y, C + pad]}, scales for an e4m3
     pool) with one ragged step's metadata: page_table [B, W] int32 (global page ids), lengths [B] int32 (tokens
-    each row holds before the step), and per flat token row_T [T] int32, pos_T [T] int32 and valid_T [T] bool
-    (see the module docstring); decode (D) and block (G) static. The model takes it in place of a PagedCache
-    (k2jax.nn.model.K2Model, with tokens [1, T])."""
+    each row holds before the step), and per flat token row_T [T] int32 (global rows), pos_T [T] int32 and
+    valid_T [T] bool (see the module docstring); decode (D) and block (G) static, each segment's; shards (S)
+    static: the segments, split over shard_axes on a mesh whose data-parallel shards split the pool. The model
+    takes it in place of a PagedCache (k2jax.nn.model.K2Model, with tokens [S, T / S])."""
 
     pages: dict
     scales: dict
@@ -69,34 +78,113 @@ class RaggedCache:
     decode: int = dataclasses.field(default=0, metadata=dict(static=True))
     block: int = dataclasses.field(default=1, metadata=dict(static=True))
     pad: int = dataclasses.field(default=0, metadata=dict(static=True))
+    shards: int = dataclasses.field(default=1, metadata=dict(static=True))
+    shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # The groups' kv_b_proj stacks {group: [L, R, N, K + V]}, as the model hands them for a step
+    # (K2Model.forward): a plain stack's layer is read in place, each half by its own product, where a
+    # layer's slice handed in would be copied out of the stack (on a TPU, 2 x its 16 MiB a layer for Kimi K2).
+    kv_b: dict = dataclasses.field(default_factory=dict)
+
+    def replace(self, **changes) -> "RaggedCache":
+        return dataclasses.replace(self, **changes)
 
     def positions(self, T: int):
-        """The new tokens' positions [1, T]."""
-        assert T == self.pos_T.shape[0], (T, self.pos_T.shape)
-        return self.pos_T[None]
+        """The new tokens' positions [S, T] (T: one segment's tokens)."""
+        assert T * self.shards == self.pos_T.shape[0], (T, self.shards, self.pos_T.shape)
+        return self.pos_T.reshape(self.shards, T)
 
     def context(self, group: str, layer, dtype) -> "RaggedContext":
         """What layer `layer` of `group` attends over (k2jax.nn.block): the pool and the step's metadata."""
         return RaggedContext(self, group, layer, dtype)
 
+    def each_shard(self, fn, args, dims, out_dims):
+        """fn(first_page, first_row, *args) -> tuple, once per segment, each arg split along its dim in `dims`
+        (None: whole) into S parts and the outputs joined along `out_dims`; `first_page` and `first_row` are
+        the global ids of the segment's shard's first page and row. Under shard_map on a mesh that splits
+        shard_axes into S shards; without one, the segments one after another (S = 1: one call)."""
+        S = self.shards
+        A, B = next(iter(self.pages.values())).shape[1], self.page_table.shape[0]
+        axes = split_axes(self.shard_axes, S)
+        if axes:
+            mesh = jax.sharding.get_abstract_mesh()
+            if (n := math.prod(mesh.shape[a] for a in axes)) != S:
+                raise ValueError(f"a ragged step of {S} segments on a mesh of {n} data-parallel shards")
+            return per_shard(lambda s, *xs: fn(s * (A // S), s * (B // S), *xs), args, dims, out_dims, axes)
+        if S == 1:
+            return fn(0, 0, *args)
+
+        def part(x, d, s):
+            if d is None:
+                return x
+            n = x.shape[d] // S
+            return jax.lax.slice_in_dim(x, s * n, (s + 1) * n, axis=d)
+
+        outs = [fn(s * (A // S), s * (B // S), *(jax.tree.map(lambda x, d=d: part(x, d, s), a)
+                                                  for a, d in zip(args, dims))) for s in range(S)]
+        return tuple(jnp.concatenate(xs, d) for xs, d in zip(zip(*outs), out_dims))
+
     def append(self, new: dict, count_B=None) -> "RaggedCache":
         """The cache with every valid token's latents written at its row's page and slot for pos_T, and each
         row's length advanced by its valid tokens (count_B is not used: the metadata says). new: {group: {"ckv":
-        [L, 1, T, R], "k_pe": [L, 1, T, P]}}. Padding goes to the trash page. Donate to write in place."""
+        [L, S, T / S, R], "k_pe": [L, S, T / S, P]}}. Padding goes to the trash page. Donate to write in
+        place."""
         pages, scales = dict(self.pages), dict(self.scales)
-        Y, W = next(iter(pages.values())).shape[2], self.page_table.shape[1]
-        page_T = jnp.where(self.valid_T, self.page_table[self.row_T, jnp.clip(self.pos_T // Y, 0, W - 1)],
-                           TRASH_PAGE)
-        slot_T = jnp.where(self.valid_T, self.pos_T % Y, 0)
+        meta = (self.page_table, self.row_T, self.pos_T, self.valid_T)
         for g, kv in new.items():
-            x_LTC = jnp.concatenate([kv["ckv"][:, 0], kv["k_pe"][:, 0].astype(kv["ckv"].dtype)], -1)
+            x_LSTC = jnp.concatenate([kv["ckv"], kv["k_pe"].astype(kv["ckv"].dtype)], -1)
+            R = kv["ckv"].shape[-1]
             if self.scales:
-                x_LTC, s_LT2 = quantize_latents(x_LTC, kv["ckv"].shape[-1])
-                scales[g] = set_scales(scales[g], page_T, slot_T, s_LT2)
-            x_LTC = jnp.pad(x_LTC.astype(pages[g].dtype), [(0, 0), (0, 0), (0, self.pad)])
-            pages[g] = pages[g].at[:, page_T, slot_T].set(x_LTC)
+                pages[g], scales[g] = self.each_shard(
+                    functools.partial(_write, R=R, pad=self.pad), meta + (x_LSTC, pages[g], scales[g]),
+                    (0, 0, 0, 0, 1, 1, 1), (1, 1))
+            else:
+                (pages[g],) = self.each_shard(functools.partial(_write, R=R, pad=self.pad),
+                                              meta + (x_LSTC, pages[g]), (0, 0, 0, 0, 1, 1), (1,))
         added_B = jnp.zeros_like(self.lengths).at[self.row_T].add(self.valid_T.astype(self.lengths.dtype))
         return dataclasses.replace(self, pages=pages, scales=scales, lengths=self.lengths + added_B)
+
+
+def _local_table(first_page, table_BW, pages_LAYC):
+    """A segment's page table with its shard's global page ids made local to its part of the pool; any other
+    id (an unfed row's trash page of another shard) becomes the part's own trash page."""
+    A = pages_LAYC.shape[1]
+    return jnp.where((table_BW >= first_page) & (table_BW < first_page + A), table_BW - first_page, TRASH_PAGE)
+
+
+def _write(first_page, first_row, table_BW, row_T, pos_T, valid_T, x_L1TC, pages_LAYC, scales_LA2Y=None, *, R,
+           pad):
+    """One segment's writes (RaggedCache.append) into its shard's part of the pool -> (pages, [scales])."""
+    Y, W = pages_LAYC.shape[2], table_BW.shape[1]
+    table_BW = _local_table(first_page, table_BW, pages_LAYC)
+    page_T = jnp.where(valid_T, table_BW[row_T - first_row, jnp.clip(pos_T // Y, 0, W - 1)], TRASH_PAGE)
+    slot_T = jnp.where(valid_T, pos_T % Y, 0)
+    x_LTC = x_L1TC[:, 0]
+    if scales_LA2Y is not None:
+        x_LTC, s_LT2 = quantize_latents(x_LTC, R)
+        scales_LA2Y = set_scales(scales_LA2Y, page_T, slot_T, s_LT2)
+    x_LTC = jnp.pad(x_LTC.astype(pages_LAYC.dtype), [(0, 0), (0, 0), (0, pad)])
+    pages_LAYC = pages_LAYC.at[:, page_T, slot_T].set(x_LTC)
+    return (pages_LAYC,) if scales_LA2Y is None else (pages_LAYC, scales_LA2Y)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InPlaceKV:
+    """One layer's kv_b_proj halves read out of the plain stack: uk_RNK [R, N, K] (W_UK) and uv_RNV [R, N, V]
+    (W_UV), in the params' layout (k2jax.ops.attention.stack_halves)."""
+
+    uk_RNK: jax.Array
+    uv_RNV: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksKV:
+    """One layer of an fp8 kv_b_proj stack whose scale blocks each cover whole columns of one head's K or V
+    part (k2jax.ops.paged.head_blocks): the decode tokens' products read its values in place, each block's
+    scale taken after the product over K or on the latent before the one over R."""
+
+    stack: object
+    layer: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -112,12 +200,45 @@ class HeadMajorKV:
 
 
 def kv_b_split(w_kv_b, K: int, dt):
-    """(W_UK [N, R, K], W_UV [N, V, R]) of kv_b_proj: a HeadMajorKV's own arrays, or the slices of w_kv_b [R, N,
-    K + V] (plain or quantized, dequantized to dt) transposed."""
+    """(W_UK [N, R, K], W_UV [N, V, R]) of kv_b_proj: a HeadMajorKV's own arrays, or the halves of an InPlaceKV
+    or the slices of w_kv_b [R, N, K + V] (plain or quantized, dequantized to dt) transposed."""
     if isinstance(w_kv_b, HeadMajorKV):
         return w_kv_b.uk_NRK.astype(dt), w_kv_b.uv_NVR.astype(dt)
-    w_RNX = materialize(w_kv_b, dt)
-    return jnp.transpose(w_RNX[..., :K], (1, 0, 2)), jnp.transpose(w_RNX[..., K:], (1, 2, 0))
+    if isinstance(w_kv_b, InPlaceKV):
+        uk_RNK, uv_RNV = w_kv_b.uk_RNK.astype(dt), w_kv_b.uv_RNV.astype(dt)
+    elif isinstance(w_kv_b, BlocksKV):
+        w_RNX = materialize(w_kv_b.stack[w_kv_b.layer], dt)
+        uk_RNK, uv_RNV = w_RNX[..., :K], w_RNX[..., K:]
+    else:
+        w_RNX = materialize(w_kv_b, dt)
+        uk_RNK, uv_RNV = w_RNX[..., :K], w_RNX[..., K:]
+    return jnp.transpose(uk_RNK, (1, 0, 2)), jnp.transpose(uv_RNV, (1, 2, 0))
+
+
+def _absorb_uk(q_TNK, w_kv_b, K: int, dt):
+    """q_nope [T, N, K] through W_UK -> [T, N, R] float32; an InPlaceKV's half multiplied as held (no transposed
+    copy of it)."""
+    if isinstance(w_kv_b, InPlaceKV):
+        return jnp.einsum("TNK,RNK->TNR", q_TNK, w_kv_b.uk_RNK.astype(dt), preferred_element_type=jnp.float32)
+    if isinstance(w_kv_b, BlocksKV):
+        return sum(jnp.einsum("TNk,RNk->TNR", q_TNK[..., cols], values.astype(dt),
+                              preferred_element_type=jnp.float32) * s_NR
+                   for cols, values, s_NR in head_blocks(w_kv_b.stack, K, w_kv_b.layer, "K"))
+    w_uk_NRK, _ = kv_b_split(w_kv_b, K, dt)
+    return jnp.einsum("TNK,NRK->TNR", q_TNK, w_uk_NRK, preferred_element_type=jnp.float32)
+
+
+def _apply_uv(o_TNR, w_kv_b, K: int, dt):
+    """Latent outputs [T, N, R] through W_UV -> [T, N, V] float32 (an InPlaceKV's half as held)."""
+    if isinstance(w_kv_b, InPlaceKV):
+        return jnp.einsum("TNR,RNV->TNV", o_TNR, w_kv_b.uv_RNV.astype(dt), preferred_element_type=jnp.float32)
+    if isinstance(w_kv_b, BlocksKV):
+        return jnp.concatenate([
+            jnp.einsum("TNR,RNv->TNv", (o_TNR.astype(jnp.float32) * s_NR).astype(dt), values.astype(dt),
+                       preferred_element_type=jnp.float32)
+            for _, values, s_NR in head_blocks(w_kv_b.stack, K, w_kv_b.layer, "V")], axis=-1)
+    _, w_uv_NVR = kv_b_split(w_kv_b, K, dt)
+    return jnp.einsum("TNR,NVR->TNV", o_TNR, w_uv_NVR, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,13 +251,30 @@ class RaggedContext:
     dtype: jnp.dtype
 
     def attend(self, q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, w_kv_b_RNX, kv_valid_BT, scale, impl="auto"):
-        """The new tokens' attention (B = 1: the flat batch) -> [1, T, N, V]; see ragged_attention. kv_valid and
-        impl are not used: the step's metadata says which tokens are real, and there is one form."""
+        """The new tokens' attention (B = S: the flat batch's segments) -> [S, T, N, V]; see ragged_attention,
+        run per segment (RaggedCache.each_shard). kv_valid and impl are not used: the step's metadata says
+        which tokens are real, and there is one form."""
         c = self.cache
-        out_TNV = ragged_attention(q_nope_BTNK[0], q_pe_BTNP[0], ckv_BTR[0], k_pe_BTP[0], w_kv_b_RNX, scale,
-                                   c.pages[self.group], c.scales.get(self.group), self.layer, c.page_table,
-                                   c.lengths, c.row_T, c.pos_T, c.valid_T, c.decode, c.block, c.pad, self.dtype)
-        return out_TNV[None]
+        scales = c.scales.get(self.group)
+        stack = c.kv_b.get(self.group)
+        K = q_nope_BTNK.shape[-1]
+        if isinstance(stack, jax.Array):  # this layer's halves read in place
+            w_kv_b_RNX = InPlaceKV(*stack_halves(stack, self.layer, K, self.dtype))
+        elif stack is not None and head_blocks(stack, K):  # fp8 in head-aligned blocks, read as held
+            w_kv_b_RNX = BlocksKV(stack, self.layer)
+
+        def one(first_page, first_row, q_nope_1TNK, q_pe_1TNP, ckv_1TR, k_pe_1TP, table_BW, lengths_B, row_T, pos_T,
+                valid_T, pages_LAYC, *scales_LA2Y):
+            out_TNV = ragged_attention(q_nope_1TNK[0], q_pe_1TNP[0], ckv_1TR[0], k_pe_1TP[0], w_kv_b_RNX, scale,
+                                       pages_LAYC, scales_LA2Y[0] if scales_LA2Y else None, self.layer,
+                                       _local_table(first_page, table_BW, pages_LAYC), lengths_B,
+                                       row_T - first_row, pos_T, valid_T, c.decode, c.block, c.pad, self.dtype)
+            return (out_TNV[None],)
+
+        args = (q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, c.page_table, c.lengths, c.row_T, c.pos_T, c.valid_T,
+                c.pages[self.group]) + (() if scales is None else (scales,))
+        (out_BTNV,) = c.each_shard(one, args, (0,) * 9 + (1,) * (len(args) - 9), (0,))
+        return out_BTNV
 
 
 def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, pages_LAYC, scales_LA2Y, layer,
@@ -154,8 +292,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
     R = ckv_TR.shape[-1]
     dt = jnp.dtype(dtype or ckv_TR.dtype)
     f32 = jnp.float32
-    w_uk_NRK, w_uv_NVR = kv_b_split(w_kv_b_RNX, K, dt)
-    q_lat_TNR = (jnp.einsum("TNK,NRK->TNR", q_nope_TNK, w_uk_NRK, preferred_element_type=f32) * scale).astype(dt)
+    q_lat_TNR = (_absorb_uk(q_nope_TNK, w_kv_b_RNX, K, dt) * scale).astype(dt)
     q_pe_TNP = (q_pe_TNP.astype(f32) * scale).astype(dt)
     ckv_TR, k_pe_TP = ckv_TR.astype(dt), k_pe_TP.astype(dt)
     D, G = decode, block
@@ -173,8 +310,9 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         see_DD = valid_T[None, :D] & (row_T[None, :D] == row_T[:D, None]) & (pos_T[None, :D] <= pos_T[:D, None])
         m, l, acc = (x[0] for x in _update(st, s_1DND, see_DD[None, :, None, :], ckv_TR[None, :D], dt))
         o_lat_DNR = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)  # padding sees nothing: 0, not NaN
-        outs.append(jnp.einsum("DNR,NVR->DNV", o_lat_DNR, w_uv_NVR, preferred_element_type=f32))
+        outs.append(_apply_uv(o_lat_DNR, w_kv_b_RNX, K, dt))
     if M:  # blocks of one row's tokens: its cached keys, then its new tokens up to each (expanded)
+        w_uk_NRK, w_uv_NVR = kv_b_split(w_kv_b_RNX, K, dt)
         def blocks(x):
             return x[D:].reshape((M, G) + x.shape[1:])
 

@@ -66,11 +66,13 @@ class Engine:
     StepSync under jax.distributed). Keyword settings not given in `config` make or amend it:
     Engine(model, params, max_batch=4) is Engine(model, params, EngineConfig(max_batch=4)).
 
-    Ragged steps (config.ragged; the default on one device): each engine step is one ragged step over every
+    Ragged steps (config.ragged, the default): each engine step is one ragged step over every
     decoding row and the prompt chunks that fit prefill_chunk (idle_chunk while none decodes) tokens, in a
     handful of programs whatever the cache lengths; with the stall bound, warm_up times each chunk region
     with and without a cached prefix, and the chunks beside decoding rows are cut by that model of a step's
-    time (Scheduler.ragged_s). Otherwise the rectangular steps: one per chunk, and one decode.
+    time (Scheduler.ragged_s). On a mesh whose data-parallel shards split the slots, the step has one segment
+    per shard with the same bounds (k2jax.runtime.layout). Otherwise the rectangular steps: one per chunk,
+    and one decode.
 
     Speculative decoding (config.speculative, ragged steps only): each step where no prompt chunk runs, every
     decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
@@ -106,12 +108,12 @@ class Engine:
         self.runner = Runner(model, params, slots=slots, num_pages=self.pool.num_pages, page_size=c.page_size,
                              kv_dtype=None if kv_dtype == "auto" else kv_dtype, mesh=mesh)
         self.kv_cache_dtype = self.runner.kv_dtype
-        self.ragged = mesh is None if c.ragged is None else c.ragged
-        if self.ragged and mesh is not None:
-            raise ValueError("ragged steps run on one device; on a mesh the engine takes rectangular steps")
+        self.ragged = c.ragged
         if c.speculative is not None and not self.ragged:
-            raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps "
-                             "(one device)")
+            raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps")
+        if c.speculative is not None and shards > 1:
+            raise ValueError(f"speculative decoding verifies drafts on one data-parallel shard; this mesh "
+                             f"splits the slots over {shards}")
         self.proposer = speculate.make(c.speculative, min_n=c.prompt_lookup[0], max_n=c.prompt_lookup[1])
         self.spec_step_s: dict = {}  # {RaggedShape: seconds} of the decode and verifying steps (warm_up)
         self.spec_tokens = c.num_speculative_tokens if c.speculative is not None else 0
@@ -602,10 +604,11 @@ def describe(shape, page_size: int) -> str:
     if isinstance(shape, RaggedShape):
         if shape.verify:
             return f"ragged step: verifying up to {shape.decode} decoding and drafted tokens"
+        each = f" in each of {shape.shards} data-parallel shards" if shape.shards > 1 else ""
         if shape.blocks == 0:
-            return f"ragged step: {shape.decode} decoding rows"
+            return f"ragged step: {shape.decode} decoding rows{each}"
         return (f"ragged step: {shape.decode} decoding rows and {shape.blocks * shape.block} prompt-chunk tokens "
-                f"(blocks of {shape.block})")
+                f"(blocks of {shape.block}){each}")
     what = (f"decode over {shape.rows} rows" if shape.tokens == 1 else
             f"prompt chunk, {shape.rows} x {shape.tokens} tokens")
     return f"{what}, reading {shape.read_pages * page_size} cached tokens"

@@ -1,11 +1,10 @@
 """Batched generation: a loop over the runtime's steps (k2jax.runtime.runner), the same jitted steps and
 paged cache the server runs.
 
-Each row gets its own contiguous pages for max_len tokens. On one device the steps are ragged
-(k2jax.ops.ragged): the prompts are prefilled in one step (each in whole blocks of a flat batch, its size a
-power of two), then one token per row per step in one program whatever the rows hold. On a mesh they are
-rectangular: the prompts right-padded to a bucket of their longest, then decode steps each reading the
-pages its rows hold so far (a power-of-two bucket of pages). Each program compiles once per set-up. The
+Each row gets its own contiguous pages for max_len tokens. The steps are ragged (k2jax.ops.ragged): the
+prompts are prefilled in one step (each in whole blocks of a flat batch, its size a power of two; on a mesh
+one segment per data-parallel shard), then one token per row per step in one program whatever the rows
+hold. Each program compiles once per set-up. The
 loop stays on the device: the host fetches tokens only to stream them (`on_token`) or, every 8 steps, to
 see whether every row has stopped.
 """
@@ -21,8 +20,8 @@ import numpy as np
 
 from k2jax.runtime import sampling
 from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards
-from k2jax.runtime.layout import DEFAULT_BLOCK, Feed, RaggedShape, StepShape, blocks_for, lay_out
-from k2jax.runtime.runner import Runner, host_batch, ragged_host_batch
+from k2jax.runtime.layout import DEFAULT_BLOCK, Feed, RaggedShape, blocks_for, lay_out
+from k2jax.runtime.runner import Runner, ragged_host_batch
 from k2jax.nn.model import K2Model
 
 MIN_BUCKET = 16
@@ -102,43 +101,30 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     row = np.arange(B)[:, None]
     table = ((row // per) * (1 + per * W) + 1 + (row % per) * W + np.arange(W)[None, :]).astype(np.int32)
 
-    ragged = mesh is None
-    if ragged:
-        G = DEFAULT_BLOCK
-        region = bucket_length(sum(blocks_for(int(n), G) for n in lens) * G)
-        prefill = RaggedShape(0, region // G, G, B, W)
-        batch = ragged_host_batch(prefill, cfg.vocab_size)
-        feeds = {b: Feed(tuple(p), 0, tuple(table[b])) for b, p in enumerate(prompts)}
-        batch = batch.replace(**lay_out(prefill, feeds))
-        starts = batch.last - lens + 1
-        if prompt_logprobs is not None:  # each prompt token's successor
-            for b, p in enumerate(prompts):
-                batch.targets[starts[b]:starts[b] + len(p) - 1] = p[1:]
-        batch = batch.replace(prompt_len=lens, reset=np.ones(B, bool))
-    else:
-        prefill = StepShape(B, T, 0, W)
-        batch = host_batch(prefill, cfg.vocab_size)
+    # One segment of the flat batch per data-parallel shard (k2jax.runtime.layout): each prompt in whole
+    # blocks of its shard's segment, the fullest segment's blocks a power of two.
+    G = DEFAULT_BLOCK
+    blocks = max(sum(blocks_for(int(n), G) for n in lens[s * per:(s + 1) * per]) for s in range(shards))
+    prefill = RaggedShape(0, bucket_length(blocks * G) // G, G, B, W, shards=shards)
+    batch = ragged_host_batch(prefill, cfg.vocab_size)
+    feeds = {b: Feed(tuple(p), 0, tuple(table[b])) for b, p in enumerate(prompts)}
+    batch = batch.replace(**lay_out(prefill, feeds))
+    starts = batch.last - lens + 1
+    if prompt_logprobs is not None:  # each prompt token's successor
         for b, p in enumerate(prompts):
-            batch.tokens[b, :len(p)] = p
-            if prompt_logprobs is not None:  # each prompt token's successor
-                batch.targets[b, :len(p) - 1] = p[1:]
-        batch = batch.replace(slot=np.arange(B, dtype=np.int32), count=lens, table=table, prompt_len=lens,
-                              reset=np.ones(B, bool))
+            batch.targets[starts[b]:starts[b] + len(p) - 1] = p[1:]
+    batch = batch.replace(prompt_len=lens, reset=np.ones(B, bool))
     settings = {b: dict(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
                         seed=(seed + b) % 2**32) for b in range(B)}  # row b is slot b
     sampling.set_row(sampling.default_rows(1), 0, **settings[0])  # a bad setting raises before any compile
     stop = np.asarray(stop_tokens or (-1,), np.int32)
-    if ragged:  # one token per row, its own row: the decode region
-        shapes = [prefill, RaggedShape(B, 0, G, B, W)]
-    else:
-        shapes = [prefill] + [StepShape(B, 1, w, W) for w in _read_buckets(W)]
+    shapes = [prefill, RaggedShape(per, 0, G, B, W, shards=shards)]  # one token per row: the decode regions
     t0 = time.perf_counter()
     runner.compile(shapes)
     runner.set_sampling(settings)
     t1 = time.perf_counter()
     out = runner.step(prefill, batch)
-    scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs,
-                                                                 starts if ragged else None)
+    scores = None if prompt_logprobs is None else _prompt_scores(out, lens, prompt_logprobs, starts)
     tokens = [out["tokens"]]
     done = jnp.isin(out["tokens"], stop)
     if on_token is not None or max_new_tokens == 1:
@@ -147,27 +133,18 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     if on_token is not None:
         on_token(_host(out["tokens"]), np.ones(B, bool))
     steps, active = 0, np.ones(B, bool)
-    if ragged:
-        decode = ragged_host_batch(shapes[1], cfg.vocab_size).replace(
-            prompt_len=lens, table=table, row=np.arange(B, dtype=np.int32),
-            valid=np.ones(B, bool), last=np.arange(B, dtype=np.int32), count=np.ones(B, np.int32))
-    else:
-        decode = batch.replace(targets=np.full((B, 1), -1, np.int32), count=np.ones(B, np.int32),
-                               reset=np.zeros(B, bool))
+    # Row b's token is flat token b: segment b // per holds its shard's rows' tokens in order.
+    decode = ragged_host_batch(shapes[1], cfg.vocab_size).replace(
+        prompt_len=lens, table=table, row=np.arange(B, dtype=np.int32), valid=np.ones(B, bool),
+        last=np.arange(B, dtype=np.int32), count=np.ones(B, np.int32))
     for step in range(1, max_new_tokens):
         if on_token is not None or (stop_tokens and step % 8 == 0):
             active = ~_host(done)
             if not active.any():
                 break
-        held = int(lens.max()) + step - 1  # tokens each row holds before this step (the longest row)
         decode = decode.replace(lengths=lens + step - 1, step=np.full(B, step, np.int32))
-        if ragged:
-            shape = shapes[1]
-            decode = decode.replace(pos=decode.lengths, tokens=out["tokens"])
-        else:
-            shape = StepShape(B, 1, next(w for w in _read_buckets(W) if w * page_size >= held), W)
-            decode = decode.replace(tokens=out["tokens"][:, None])
-        out = runner.step(shape, decode)
+        decode = decode.replace(pos=decode.lengths, tokens=out["tokens"])
+        out = runner.step(shapes[1], decode)
         token = jnp.where(done, PAD_ID, out["tokens"])
         tokens.append(token)
         done = done | jnp.isin(token, stop)
@@ -236,11 +213,6 @@ def _prompt_scores(out: dict, lens: np.ndarray, k: int, starts=None) -> dict:
         res["top_ids"][b, 1:n] = got["top_ids"][b, :n - 1, :k]
         res["top_logprobs"][b, 1:n] = got["top_logprobs"][b, :n - 1, :k]
     return res
-
-
-def _read_buckets(W: int) -> list[int]:
-    """Pages read per row in a decode step: powers of two up to W, and W."""
-    return sorted({min(W, 1 << i) for i in range(W.bit_length() + 1)})
 
 
 def _host(x) -> np.ndarray:

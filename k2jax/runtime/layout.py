@@ -9,6 +9,11 @@ tables `table_pages` wide. `verify`: the step returns every decode-region token'
 of speculative decoding), not only each row's last. Whatever the mix of decoding rows and prompt
 chunks, a step takes the smallest shape that holds it, so a server compiles one program per shape, not per
 (rows, tokens, cache length).
+
+On a mesh whose data-parallel shards split the slots and the pool (k2jax.ops.paged), a ragged step has
+`shards` segments of the flat batch, one per shard, each laid out as above over that shard's rows (rows
+[s * B/S, (s + 1) * B/S)) with `decode` and `blocks` per segment: segment s is what shard s attends over, its
+own rows and its own part of the pool. The metadata stays global (rows, flat indices).
 """
 
 from __future__ import annotations
@@ -30,11 +35,17 @@ class StepShape:
     read_pages: int
     table_pages: int
 
+    @property
+    def total_tokens(self) -> int:
+        """Token positions the step computes (rows x tokens)."""
+        return self.rows * self.tokens
+
 
 @dataclasses.dataclass(frozen=True, order=True)
 class RaggedShape:
     """The static shape of a ragged step: D decode tokens, M blocks of G tokens, B rows, W pages per row;
-    verify: samples at every decode token (speculative decoding's verifying step; no chunk blocks)."""
+    verify: samples at every decode token (speculative decoding's verifying step; no chunk blocks); shards:
+    the flat batch's segments, one per data-parallel shard, D and M being each segment's."""
 
     decode: int
     blocks: int
@@ -42,14 +53,34 @@ class RaggedShape:
     rows: int
     table_pages: int
     verify: bool = False
+    shards: int = 1
 
     def __post_init__(self):
         if self.verify and self.blocks:
             raise ValueError("a verifying step has no chunk blocks")
+        if self.verify and self.shards != 1:
+            raise ValueError("a verifying step runs on one data-parallel shard")
+        if self.shards < 1 or self.rows % self.shards:
+            raise ValueError(f"{self.rows} rows do not split over {self.shards} shards")
+
+    @property
+    def segment(self) -> int:
+        """Tokens in one shard's segment of the flat batch."""
+        return self.decode + self.blocks * self.block
 
     @property
     def tokens(self) -> int:
-        return self.decode + self.blocks * self.block
+        """Tokens in the flat batch (every segment)."""
+        return self.shards * self.segment
+
+    @property
+    def total_tokens(self) -> int:
+        """Token positions the step computes (the flat batch)."""
+        return self.tokens
+
+    def one_shard(self) -> "RaggedShape":
+        """The shape of one segment: its decode tokens and blocks over one shard's rows."""
+        return dataclasses.replace(self, rows=self.rows // self.shards, shards=1)
 
 
 class _Input:
@@ -122,11 +153,29 @@ def blocks_for(n: int, block: int) -> int:
     return -(-n // block)
 
 
+def _segments(shape: RaggedShape, feeds: dict[int, Feed]):
+    """(shard, its first row, its first flat token, its rows' feeds with rows local) for each shard."""
+    Bs, Ts = shape.rows // shape.shards, shape.segment
+    for b in feeds:
+        if not 0 <= b < shape.rows:
+            raise ValueError(f"row {b} is outside the step's {shape.rows} rows")
+    for s in range(shape.shards):
+        yield s, s * Bs, s * Ts, {b - s * Bs: f for b, f in feeds.items() if b // Bs == s}
+
+
 def place(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, tuple[str, int]]:
     """Where each fed row's tokens go: {row: ("decode", first flat index) or ("chunk", first flat index)}.
-    Rows of one token take the decode region while it has room, the others whole blocks in row order; a
-    shape with no blocks takes every row in its decode region (a row's tokens consecutive). Raises
+    Rows of one token take their segment's decode region while it has room, the others whole blocks in row
+    order; a shape with no blocks takes every row in its decode region (a row's tokens consecutive). Raises
     ValueError naming what does not fit."""
+    if shape.shards > 1:
+        one = shape.one_shard()
+        return {b0 + b: (kind, t0 + i) for _, b0, t0, local in _segments(shape, feeds)
+                for b, (kind, i) in _place(one, local, b0).items()}
+    return _place(shape, feeds, 0)
+
+
+def _place(shape: RaggedShape, feeds: dict[int, Feed], first_row: int) -> dict[int, tuple[str, int]]:
     where, d, m = {}, 0, 0
     for b in sorted(feeds):
         n = len(feeds[b].tokens)
@@ -139,12 +188,12 @@ def place(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, tuple[str, in
             d += n
             continue
         if shape.blocks == 0:
-            raise ValueError(f"row {b}'s {n} tokens do not fit: {shape.decode - d} of the {shape.decode} decode "
-                             f"tokens left")
+            raise ValueError(f"row {first_row + b}'s {n} tokens do not fit: {shape.decode - d} of the "
+                             f"{shape.decode} decode tokens left")
         k = blocks_for(n, shape.block)
         if m + k > shape.blocks:
-            raise ValueError(f"row {b}'s {n} tokens do not fit: {shape.blocks - m} of {shape.blocks} blocks of "
-                             f"{shape.block} left")
+            raise ValueError(f"row {first_row + b}'s {n} tokens do not fit: {shape.blocks - m} of {shape.blocks} "
+                             f"blocks of {shape.block} left")
         where[b] = ("chunk", shape.decode + m * shape.block)
         m += k
     return where
@@ -154,16 +203,30 @@ def lay_out(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[str, np.ndarray]
     """The step's metadata for k2jax.ops.ragged.RaggedCache and the model call: tokens, row, pos [T] int32,
     valid [T] bool; table [B, W] int32 (unfed rows: the trash page), lengths [B] int32 (tokens held before
     the step), count [B] int32 (tokens fed) and last [B] int32 (the flat index of each fed row's last token:
-    where its logits are read; 0 for an unfed row). Padding tokens belong to row 0 and are not valid."""
+    where its logits are read; its segment's first token for an unfed row). Padding tokens belong to their
+    segment's first row and are not valid. Rows and flat indices are global (over every segment)."""
+    if shape.shards == 1:
+        return _lay_out(shape, feeds)
+    one = shape.one_shard()
+    parts = []
+    for _, b0, t0, local in _segments(shape, feeds):
+        out = _lay_out(one, local, b0)
+        out["row"] += b0
+        out["last"] += t0
+        parts.append(out)
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _lay_out(shape: RaggedShape, feeds: dict[int, Feed], first_row: int = 0) -> dict[str, np.ndarray]:
     T, B, W = shape.tokens, shape.rows, shape.table_pages
     out = {"tokens": np.zeros(T, np.int32), "row": np.zeros(T, np.int32), "pos": np.zeros(T, np.int32),
            "valid": np.zeros(T, bool), "table": np.full((B, W), TRASH_PAGE, np.int32),
            "lengths": np.zeros(B, np.int32), "count": np.zeros(B, np.int32), "last": np.zeros(B, np.int32)}
-    for b, (_, start) in place(shape, feeds).items():
+    for b, (_, start) in _place(shape, feeds, first_row).items():
         f = feeds[b]
         n = len(f.tokens)
         if len(f.pages) > W:
-            raise ValueError(f"row {b} holds {len(f.pages)} pages; the step's tables are {W} wide")
+            raise ValueError(f"row {first_row + b} holds {len(f.pages)} pages; the step's tables are {W} wide")
         span = slice(start, start + n)
         out["tokens"][span] = f.tokens
         out["row"][span] = b

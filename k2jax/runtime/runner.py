@@ -13,11 +13,13 @@ scoring, lm-eval's loglikelihood). What the step computes follows from its shape
 (1 = decode, more = a prompt chunk), pages read per row (0 = a first chunk: no cache to read) and table
 width. `Runner.compile` builds the program of each shape once (XLA compiles nothing later).
 
-A ragged step (a k2jax.runtime.layout.RaggedShape, on one device) takes instead a RaggedInput: one flat
-batch of every row's new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens,
-the chunk blocks and the rows, and one program serves every cache length. A verifying ragged
-step (speculative decoding: RaggedShape.verify) samples at every decode token, each verifying the draft fed
-after it in its row, and says how many tokens each row outputs (`_verify`).
+A ragged step (a k2jax.runtime.layout.RaggedShape) takes instead a RaggedInput: one flat batch of every
+row's new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the decode tokens, the chunk
+blocks and the rows, and one program serves every cache length. On a mesh the flat batch has one segment per
+data-parallel shard (RaggedShape.shards, the runner's shard count), split over the chips like the slots,
+each shard attending over its own rows and pages. A verifying ragged step (speculative decoding:
+RaggedShape.verify, one shard) samples at every decode token, each verifying the draft fed after it in its
+row, and says how many tokens each row outputs (`_verify`).
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
 prompt-token mask [slots, V] bool for the penalties, and each slot's sampling settings.
@@ -61,12 +63,15 @@ def host_batch(shape: StepShape, vocab_size: int) -> StepInput:
 
 
 def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
-    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows)."""
-    T, B = shape.tokens, shape.rows
-    return RaggedInput(tokens=np.zeros(T, np.int32), row=np.zeros(T, np.int32), pos=np.zeros(T, np.int32),
-                       valid=np.zeros(T, bool), targets=np.full(T, -1, np.int32),
+    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows; each
+    segment's tokens belong to its first row, as k2jax.runtime.layout.lay_out's padding does)."""
+    T, B, S = shape.tokens, shape.rows, shape.shards
+    seg_T, seg_B = np.arange(T) // shape.segment, np.arange(B) // (B // S)
+    return RaggedInput(tokens=np.zeros(T, np.int32), row=(seg_T * (B // S)).astype(np.int32),
+                       pos=np.zeros(T, np.int32), valid=np.zeros(T, bool), targets=np.full(T, -1, np.int32),
                        table=np.zeros((B, shape.table_pages), np.int32), lengths=np.zeros(B, np.int32),
-                       count=np.zeros(B, np.int32), last=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32),
+                       count=np.zeros(B, np.int32), last=(seg_B * shape.segment).astype(np.int32),
+                       prompt_len=np.zeros(B, np.int32),
                        reset=np.zeros(B, bool), bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32),
                        step=np.zeros(B, np.int32))
 
@@ -149,17 +154,23 @@ class Runner:
 
     def _ragged(self, params, state, batch, shape: RaggedShape):
         """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
-        prompt scores per flat token [T]."""
+        prompt scores per flat token [T]. The model takes the flat batch as its S segments [S, T / S]."""
         row_T, tok_T, valid_T = batch.row, batch.tokens, batch.valid
-        cache = RaggedCache(state["pages"], state["scales"], batch.table, batch.lengths, row_T,
-                            batch.pos, valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad)
+        S, Ts, B = shape.shards, shape.segment, shape.rows
+        cache = RaggedCache(state["pages"], state["scales"], batch.table, batch.lengths, row_T, batch.pos,
+                            valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad, S,
+                            self.shard_axes)
         # A verifying step samples at every decode token (each verifies the draft after it), others at each
-        # row's last fed token.
-        at = jnp.arange(shape.decode)[None] if shape.verify else batch.last[None]
-        (logits_1BV, cache), sown = self.model.apply({"params": params}, tok_T[None], None, valid_T[None], cache,
-                                                     at, mutable=[HIDDEN])
-        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch.targets[None])
-        scores = {k: v[0] for k, v in scores.items()}
+        # row's last fed token (its index within its row's segment).
+        if shape.verify:
+            at = jnp.arange(shape.decode)[None]
+        else:
+            at = (batch.last - jnp.arange(B) // (B // S) * Ts).reshape(S, B // S)
+        (logits_SXV, cache), sown = self.model.apply({"params": params}, tok_T.reshape(S, Ts), None,
+                                                     valid_T.reshape(S, Ts), cache, at, mutable=[HIDDEN])
+        logits_XV = logits_SXV.reshape(-1, logits_SXV.shape[-1])
+        scores = self._prompt_scores(params, sown[HIDDEN]["final_BTD"][0], batch.targets.reshape(S, Ts))
+        scores = {k: v.reshape((S * Ts,) + v.shape[2:]) for k, v in scores.items()}
         keep_B1 = ~batch.reset[:, None]
         counts_BV, seen_BV = state["counts"] * keep_B1, state["seen"] & keep_B1
         in_prompt_T = valid_T & (batch.pos < batch.prompt_len[row_T])
@@ -167,9 +178,9 @@ class Runner:
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
         samp = state["samp"] | {"step": batch.step}  # row b is slot b
         if shape.verify:
-            out = _verify(logits_1BV[0], batch, samp)
+            out = _verify(logits_XV, batch, samp)
         else:
-            out = sampling.sample_rows(logits_1BV[0], samp, counts_BV, seen_BV, batch.bitmask)
+            out = sampling.sample_rows(logits_XV, samp, counts_BV, seen_BV, batch.bitmask)
         return ({"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV,
                  "samp": state["samp"]}, out | scores)
 
@@ -228,15 +239,20 @@ class Runner:
                          (0, 0, 0, 0, 0, 0), (0, 0), axes)
 
     # --- compiling and running ------------------------------------------------------------------------
-    def _shardings(self, shape: StepShape):
-        """The batch's input shardings: per-row arrays split like the rows (or replicated)."""
+    def _shardings(self, shape: StepShape | RaggedShape):
+        """The batch's input shardings: per-row arrays split like the rows (or replicated); a ragged step's
+        flat arrays split by segment like its rows."""
         if self.mesh is None:
             return None
         if isinstance(shape, RaggedShape):
-            raise ValueError("a ragged step runs on one device: on a mesh the steps are StepShapes")
-        axes = tuple(a for a in self.shard_axes) if shape.rows % self.shards == 0 else ()
-        row = NamedSharding(self.mesh, PartitionSpec(axes or None))
-        return jax.tree.map(lambda _: row, host_batch(shape, self.cfg.vocab_size))
+            if shape.shards != self.shards:
+                raise ValueError(f"a ragged step of {shape.shards} segments on a mesh of {self.shards} "
+                                 f"data-parallel shards")
+            split = shape.shards > 1
+        else:
+            split = shape.rows % self.shards == 0
+        row = NamedSharding(self.mesh, PartitionSpec((self.shard_axes if split else ()) or None))
+        return jax.tree.map(lambda _: row, neutral_batch(shape, self.cfg.vocab_size))
 
     def batch_shapes(self, shape: StepShape):
         """The step's inputs for `shape` (host_batch's tree) as jax.ShapeDtypeStructs, with the shardings the

@@ -25,6 +25,9 @@ fit the step's token budget), and takes back what each row sampled.
   prefix a chunk in it re-reads (the chunk region's online softmax visits every block for as many visits as
   that row needs, k2jax.ops.ragged). Beside decoding rows, a step's chunks are cut so that the model puts it
   within RAGGED_FILL of one first chunk of `prefill_chunk` tokens (the same decoding rows ride in both).
+  With data-parallel shards a ragged step has one segment per shard, which runs on that shard's chips
+  (k2jax.runtime.layout): each shard's chunks are chosen from its own rows within the same bounds (the
+  shards run side by side), and the fullest segment sizes the step.
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -189,12 +192,16 @@ class Scheduler:
         # Ragged steps (ragged_block = G tokens per chunk block): one step per engine step, its shape from
         # decode sizes (powers of two from an eighth of the slots up to them) and chunk-region sizes (powers
         # of two from 64 tokens up to idle_chunk, whole blocks), whatever the cache lengths.
+        # With data-parallel shards, a step has one segment per shard (k2jax.runtime.layout): the sizes are
+        # each segment's, and each shard's chunks are chosen from its own rows.
         self.block = ragged_block
         if ragged_block is not None:
-            if self.shards != 1:
-                raise ValueError("ragged steps run on one data-parallel shard")
+            if self.shards > 1 and speculative_tokens:
+                raise ValueError(f"speculative decoding verifies drafts on one data-parallel shard, not "
+                                 f"{self.shards}")
             G = ragged_block
-            self.decode_sizes = pow2_upto(slots, lo=max(1, slots // 8))  # at most 4: a spare row costs little
+            per = self.per_shard
+            self.decode_sizes = pow2_upto(per, lo=max(1, per // 8))  # at most 4: a spare row costs little
             top = -(-self.idle // G) * G
             self.region_sizes = sorted({-(-t // G) * G for t in pow2_upto(top, lo=min(top, max(64, G)))})
         # Speculative decoding: a step with no prompt chunk where some row feeds drafts verifies them all, in a
@@ -213,9 +220,9 @@ class Scheduler:
     def shapes(self) -> list:
         """Every shape `plan` (or `plan_ragged`) can return."""
         if self.block is not None:
-            W, G = self.max_pages, self.block
-            return ([RaggedShape(d, 0, G, self.slots, W) for d in self.decode_sizes]
-                    + [RaggedShape(self.slots, t // G, G, self.slots, W) for t in self.region_sizes]
+            W, G, S = self.max_pages, self.block, self.shards
+            return ([RaggedShape(d, 0, G, self.slots, W, shards=S) for d in self.decode_sizes]
+                    + [self._region_shape(t) for t in self.region_sizes]
                     + [RaggedShape(d, 0, G, self.slots, W, verify=True) for d in self.verify_sizes])
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
@@ -247,7 +254,8 @@ class Scheduler:
         return base + per_token * cached
 
     def _region_shape(self, tokens: int) -> RaggedShape:
-        return RaggedShape(self.slots, tokens // self.block, self.block, self.slots, self.max_pages)
+        return RaggedShape(self.per_shard, tokens // self.block, self.block, self.slots, self.max_pages,
+                           shards=self.shards)
 
     def _first_region(self) -> int:
         """The chunk region of one first chunk of prefill_chunk tokens."""
@@ -364,7 +372,8 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
-        chunks = self._ragged_chunks(prefilling, bool(decoding))
+        chunks = [c for sh in range(self.shards) for c in self._ragged_chunks(
+            [s for s in prefilling if s.slot // self.per_shard == sh], bool(decoding))]
         verify = (self.spec and not chunks and all(s.draft is not None for s in decoding)
                   and any(s.draft for s in decoding))
         for s, n in chunks + [(s, 1) for s in decoding]:
@@ -383,12 +392,14 @@ class Scheduler:
         rows: list[tuple[Seq | None, int]] = [(None, 0)] * self.slots
         for s, n in fed:
             rows[s.slot] = (s, n)
-        chunk_tokens = sum(blocks_for(n, G) * G for _, n in fed if n > 1)
+        # Each segment's tokens: the most over the shards sizes the step.
+        chunk_tokens = max(sum(blocks_for(n, G) * G for s, n in fed if n > 1 and s.slot // self.per_shard == sh)
+                           for sh in range(self.shards))
         if drafts or chunk_tokens == 0:
-            shape = self.decode_shape(sum(n for _, n in fed), verify=bool(drafts))
+            shape = self.decode_shape(max(sum(n for s, n in fed if s.slot // self.per_shard == sh)
+                                          for sh in range(self.shards)), verify=bool(drafts))
         else:
-            shape = RaggedShape(self.slots, bucket(chunk_tokens, self.region_sizes) // G, G, self.slots,
-                                self.max_pages)
+            shape = self._region_shape(bucket(chunk_tokens, self.region_sizes))
         return RaggedCall(shape, rows, drafts)
 
     def _ragged_chunks(self, prefilling: list[Seq], decoding: bool) -> list[tuple[Seq, int]]:
@@ -427,10 +438,11 @@ class Scheduler:
         return chunks
 
     def decode_shape(self, tokens: int, verify: bool = False) -> RaggedShape:
-        """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens (a verifying
-        one: the decoding rows' tokens and their drafts)."""
+        """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens in each segment
+        (a verifying one: the decoding rows' tokens and their drafts)."""
         sizes = self.verify_sizes if verify else self.decode_sizes
-        return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify)
+        return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify,
+                           1 if verify else self.shards)
 
     def ragged_inputs(self, call: RaggedCall, batch: RaggedInput) -> None:
         """Fill a ragged step's inputs (a neutral RaggedInput) with the call's rows: the layout

@@ -23,8 +23,9 @@ class EngineConfig:
       steps, and the chunks beside decoding rows are cut so that a step takes no longer than a first chunk of
       prefill_chunk tokens, in powers of two down to `min_chunk` tokens; False: chunks of prefill_chunk
       whatever they cost. Ragged steps are timed per chunk region, over no cached prefix and a long one.
-    - `ragged` (None: on one device, no mesh): each engine step is one ragged step (k2jax.ops.ragged) over
-      every decoding row and the prompt chunks that fit; False: the rectangular steps.
+    - `ragged` (the default): each engine step is one ragged step (k2jax.ops.ragged) over every decoding row
+      and the prompt chunks that fit (on a mesh, one segment per data-parallel shard); False: the
+      rectangular steps.
     - `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
       `prompt_lookup` = (min, max) tokens): decoding rows feed up to `num_speculative_tokens` drafted tokens,
       which the step verifies (see Engine).
@@ -42,7 +43,7 @@ class EngineConfig:
     idle_chunk: int | None = None
     stall_bound: bool = True
     min_chunk: int = 64
-    ragged: bool | None = None
+    ragged: bool = True
     speculative: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup: tuple[int, int] = (2, 3)
@@ -59,8 +60,7 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16] with speculative decoding, got "
                              f"{self.num_speculative_tokens}")
         if self.speculative is not None and self.ragged is False:
-            raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps "
-                             "(one device)")
+            raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

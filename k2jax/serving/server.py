@@ -88,10 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of more, smaller chunks for that prompt)")
     p.add_argument("--step-layout", choices=("auto", "ragged", "rectangular"), default="auto",
                    help="ragged: each engine step is one call over a flat batch of every decoding request's token "
-                        "and the prompt chunks that fit, in a handful of programs whatever the cache lengths (on "
-                        "one device). rectangular: one call per prompt chunk and one over the decoding rows, a "
-                        "program per (rows, tokens, cache read) bucket; the step times are weighed as "
-                        "--fixed-chunks says. auto (default): ragged on one device, rectangular on a mesh")
+                        "and the prompt chunks that fit, in a handful of programs whatever the cache lengths (on a "
+                        "mesh, one segment of the batch per data-parallel shard, each over its own requests). "
+                        "rectangular: one call per prompt chunk and one over the decoding rows, a program per "
+                        "(rows, tokens, cache read) bucket; the step times are weighed as --fixed-chunks says. "
+                        "auto (default): ragged")
     p.add_argument("--speculative", choices=("ngram",), default=None,
                    help="speculative decoding: ngram = prompt lookup (each decoding request's last few tokens "
                         "looked up earlier in its own prompt and output; what followed them is drafted), and one "
@@ -185,7 +186,7 @@ def engine_config(args):
         max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, kv_tokens=args.kv_tokens,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
         batch_wait_s=args.batch_wait_ms / 1e3, prefill_chunk=args.prefill_chunk, idle_chunk=args.idle_prefill_chunk,
-        stall_bound=not args.fixed_chunks, ragged=None if args.step_layout == "auto" else args.step_layout == "ragged",
+        stall_bound=not args.fixed_chunks, ragged=args.step_layout != "rectangular",
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
 
