@@ -406,6 +406,22 @@ def test_a_handful_of_programs_whatever_the_settings(model_params, flags):
     assert len(set(rect.sched.shapes())) >= 3 * n
 
 
+def test_a_handful_of_programs_on_a_mesh(model_params):
+    """On a mesh of 8 data-parallel shards the ragged steps' sizes are each segment's: still a handful of
+    programs (2 slots a shard decode in sizes 1 and 2), where the rectangular steps take several times as
+    many."""
+    model, params = model_params
+    mesh = k2jax.make_mesh("data=2,expert=4")
+    sharded = jax.device_put(params, k2jax.param_shardings(CFG, mesh, warn=False))
+    flags = dict(max_batch=16, max_len=8192, prefill_chunk=256, idle_chunk=4096, page_size=PAGE, kv_tokens=8 * 8192)
+    ragged = Engine(model, sharded, mesh=mesh, **flags)
+    rect = Engine(model, sharded, mesh=mesh, ragged=False, **flags)
+    shapes = set(ragged.sched.shapes())
+    assert {s.shards for s in shapes} == {8} and {s.decode for s in shapes} == {1, 2}
+    assert len(shapes) <= 12, ragged.programs_cause()
+    assert len(set(rect.sched.shapes())) >= 3 * len(shapes)
+
+
 # --- speculative decoding (n-gram drafts verified in the ragged step) -------------------------------------------
 def _spec_engine(model_params, **kw):
     return _engine(model_params, speculative="ngram", num_speculative_tokens=3, prompt_lookup=(1, 3), **kw)

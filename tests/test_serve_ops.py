@@ -237,8 +237,8 @@ def test_the_logs_say_what_the_server_does(ops):
     assert len(at) == n and at == sorted(at), at
     assert log.index("warming up:") < log.index("compiling 1/") < log.index("compiled the engine steps in")
     # why these programs: ragged steps (one device), a few sizes each
-    assert re.search(r"step programs \(ragged steps: \d+ decode-only sizes up to the \d+ slots and \d+ "
-                     r"prompt-chunk sizes up to \d+ tokens\)", log), log[:3000]
+    assert re.search(r"step programs \(ragged steps: \d+ decode-only sizes up to the \d+ slots of a shard and "
+                     r"\d+ prompt-chunk sizes up to \d+ tokens\)", log), log[:3000]
     assert "compute dtype float32, weights float32" in log and "cache float32" in log
     lines = log.splitlines()
     assert any('"POST /v1/completions" 200 prompt_tokens=4 completion_tokens=7 ttft=' in ln and " total=" in ln

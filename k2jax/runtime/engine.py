@@ -213,8 +213,10 @@ class Engine:
         if self.ragged:
             spec = (f", and {len(s.verify_sizes)} verifying sizes up to {s.verify_sizes[-1]} tokens (speculative "
                     f"decoding)" if s.verify_sizes else "")
-            return (f"ragged steps: {len(s.decode_sizes)} decode-only sizes up to the {self.max_batch} slots and "
-                    f"{len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens{spec}")
+            each = f", each in one segment per data-parallel shard ({s.shards})" if s.shards > 1 else ""
+            return (f"ragged steps: {len(s.decode_sizes)} decode-only sizes up to the {s.per_shard} slots of a "
+                    f"shard and {len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens"
+                    f"{spec}{each}")
         return (f"rectangular steps: decodes over {len(s.row_buckets)} row buckets x {len(s.read_buckets) - 1} cache "
                 f"reads, first chunks of {len(s.chunk_sizes)} sizes, and later chunks of {len(s.later_sizes)} sizes x "
                 f"{len(s.read_buckets) - 1} cache reads")
