@@ -506,6 +506,26 @@ def test_drafts_are_fed_only_where_their_step_pays(model_params, solo):
         assert (eng.metrics.spec_accepted > 0) == verifies
 
 
+def test_speculation_on_a_mesh_keeps_the_greedy_tokens(model_params, solo):
+    """On a mesh of 8 data-parallel shards a verifying step has one segment per shard (each its rows' tokens
+    and drafts): the same greedy tokens as one device without speculation, and drafts accepted."""
+    model, params = model_params
+    mesh = k2jax.make_mesh("data=2,expert=4")
+    sharded = jax.device_put(params, k2jax.param_shardings(CFG, mesh, warn=False))
+    eng = Engine(model, sharded, mesh=mesh, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE,
+                 kv_tokens=8 * 256, speculative="ngram", num_speculative_tokens=3, prompt_lookup=(1, 3))
+    shapes = _record_shapes(eng)
+    prompts = _prompts(0, (5, 9, 3, 12))
+    prompts[0] = prompts[0] * 3
+    n = 40
+    with k2jax.use_mesh(mesh):
+        got, _ = _run(eng, prompts, n=n)
+    for i, p in enumerate(prompts):
+        assert got[i] == solo(p, n), i
+    assert any(sh.verify for sh in shapes) and {sh.shards for sh in shapes} == {8}
+    assert 0 < eng.metrics.spec_accepted <= eng.metrics.spec_drafted
+
+
 def test_speculation_needs_ragged_steps_and_a_sane_draft_count(model_params):
     with pytest.raises(ValueError, match="needs ragged steps"):
         _engine(model_params, ragged=False, speculative="ngram", num_speculative_tokens=3)

@@ -111,9 +111,6 @@ class Engine:
         self.ragged = c.ragged
         if c.speculative is not None and not self.ragged:
             raise ValueError("speculative decoding verifies drafts in a ragged step: it needs ragged steps")
-        if c.speculative is not None and shards > 1:
-            raise ValueError(f"speculative decoding verifies drafts on one data-parallel shard; this mesh "
-                             f"splits the slots over {shards}")
         self.proposer = speculate.make(c.speculative, min_n=c.prompt_lookup[0], max_n=c.prompt_lookup[1])
         self.spec_step_s: dict = {}  # {RaggedShape: seconds} of the decode and verifying steps (warm_up)
         self.spec_tokens = c.num_speculative_tokens if c.speculative is not None else 0
@@ -421,10 +418,10 @@ class Engine:
         best, best_k = None, 0
         for k in range(self.spec_tokens + 1):
             n = [min(len(q.draft), k) for q in rows]
-            D = len(rows) + sum(n)
             if k and not any(n):
                 break
-            shape = s.decode_shape(D, verify=bool(k))
+            D = max(sum(1 + m for q, m in zip(rows, n) if q.slot // s.per_shard == sh) for sh in range(s.shards))
+            shape = s.decode_shape(D, verify=bool(k))  # each segment's tokens: the fullest shard's
             gain = sum(sum(q.accept_rate ** (i + 1) for i in range(m)) for q, m in zip(rows, n))
             # Drafts must beat a plain decode by SPEC_MARGIN: the estimates are rough, and a loss costs every row.
             rate = (len(rows) + gain) / (self.spec_step_s[shape] * (SPEC_MARGIN if k else 1.0))

@@ -18,7 +18,7 @@ row's new tokens (k2jax.ops.ragged), row b being slot b: its shape is only the d
 blocks and the rows, and one program serves every cache length. On a mesh the flat batch has one segment per
 data-parallel shard (RaggedShape.shards, the runner's shard count), split over the chips like the slots,
 each shard attending over its own rows and pages. A verifying ragged step (speculative decoding:
-RaggedShape.verify, one shard) samples at every decode token, each verifying the draft fed after it in its
+RaggedShape.verify) samples at every decode token, each verifying the draft fed after it in its
 row, and says how many tokens each row outputs (`_verify`).
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
@@ -162,8 +162,8 @@ class Runner:
                             self.shard_axes)
         # A verifying step samples at every decode token (each verifies the draft after it), others at each
         # row's last fed token (its index within its row's segment).
-        if shape.verify:
-            at = jnp.arange(shape.decode)[None]
+        if shape.verify:  # every token: the flat batch is the segments' decode regions, in order
+            at = jnp.broadcast_to(jnp.arange(shape.decode), (S, shape.decode))
         else:
             at = (batch.last - jnp.arange(B) // (B // S) * Ts).reshape(S, B // S)
         (logits_SXV, cache), sown = self.model.apply({"params": params}, tok_T.reshape(S, Ts), None,
@@ -385,7 +385,8 @@ class Runner:
 def _verify(logits_DV, batch, samp: dict) -> dict:
     """A verifying step's samples (speculative decoding): each decode token t of row b samples the token after
     it, with b's settings at its own output index, and verifies the draft fed after it in the row (if any;
-    sampling.sample_rows' draft_B). -> sample_rows' outputs per decode token [D, ...] with `accepted` [D],
+    sampling.sample_rows' draft_B); D: every segment's decode tokens, in flat order (a row's tokens never
+    cross a segment's end). -> sample_rows' outputs per decode token [D, ...] with `accepted` [D],
     and `emitted` [B]: how many tokens each row outputs (its accepted drafts, then the first token sampled
     where a draft was not accepted, or after the last draft). The rows of a verifying step are never
     penalised and have no grammar mask (the engine keeps such rows out of it)."""

@@ -196,9 +196,6 @@ class Scheduler:
         # each segment's, and each shard's chunks are chosen from its own rows.
         self.block = ragged_block
         if ragged_block is not None:
-            if self.shards > 1 and speculative_tokens:
-                raise ValueError(f"speculative decoding verifies drafts on one data-parallel shard, not "
-                                 f"{self.shards}")
             G = ragged_block
             per = self.per_shard
             self.decode_sizes = pow2_upto(per, lo=max(1, per // 8))  # at most 4: a spare row costs little
@@ -207,7 +204,8 @@ class Scheduler:
         # Speculative decoding: a step with no prompt chunk where some row feeds drafts verifies them all, in a
         # decode region of up to every slot's token and its speculative_tokens drafts.
         self.spec = speculative_tokens
-        self.verify_sizes = pow2_upto(slots * (1 + self.spec), lo=max(2, slots // 8)) if self.spec else []
+        per = self.per_shard  # each segment's
+        self.verify_sizes = pow2_upto(per * (1 + self.spec), lo=max(2, per // 8)) if self.spec else []
         # {chunk-region RaggedShape: (seconds with no cached prefix, seconds per token of the longest cached
         # prefix a chunk in it reads)}, see `timed_shapes`; empty: chunks of prefill_chunk tokens whatever
         # they cost.
@@ -223,7 +221,7 @@ class Scheduler:
             W, G, S = self.max_pages, self.block, self.shards
             return ([RaggedShape(d, 0, G, self.slots, W, shards=S) for d in self.decode_sizes]
                     + [self._region_shape(t) for t in self.region_sizes]
-                    + [RaggedShape(d, 0, G, self.slots, W, verify=True) for d in self.verify_sizes])
+                    + [RaggedShape(d, 0, G, self.slots, W, verify=True, shards=S) for d in self.verify_sizes])
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
         out += [StepShape(b, self.chunk, 0, self.table_pages(0, self.chunk)) for b in self.row_buckets[1:]]
@@ -441,8 +439,7 @@ class Scheduler:
         """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens in each segment
         (a verifying one: the decoding rows' tokens and their drafts)."""
         sizes = self.verify_sizes if verify else self.decode_sizes
-        return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify,
-                           1 if verify else self.shards)
+        return RaggedShape(bucket(tokens, sizes), 0, self.block, self.slots, self.max_pages, verify, self.shards)
 
     def ragged_inputs(self, call: RaggedCall, batch: RaggedInput) -> None:
         """Fill a ragged step's inputs (a neutral RaggedInput) with the call's rows: the layout
