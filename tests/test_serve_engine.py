@@ -549,3 +549,11 @@ def test_generate_takes_speculative_decoding(model_params):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert 0 < t["accepted"] <= t["drafted"] and t["steps"] <= 40
+    # on a mesh of 8 data-parallel shards (the 4 prompts in 8 slots): the same tokens
+    mesh = k2jax.make_mesh("data=2,expert=4")
+    t = {}
+    got = k2jax.generate(model, params, prompts, 40, max_len=64, stop_tokens=[7], speculative="ngram",
+                         num_speculative_tokens=3, timings=t, mesh=mesh)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert 0 < t["accepted"] <= t["drafted"]

@@ -11,6 +11,7 @@ see whether every row has stopped.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Sequence
 
@@ -23,6 +24,7 @@ from k2jax.runtime.cache import DEFAULT_PAGE_SIZE, data_shards
 from k2jax.runtime.layout import DEFAULT_BLOCK, Feed, RaggedShape, blocks_for, lay_out
 from k2jax.runtime.runner import Runner, ragged_host_batch
 from k2jax.nn.model import K2Model
+from k2jax.sharding import use_mesh
 
 MIN_BUCKET = 16
 PAD_ID = 0  # written after a sequence's end; `lengths` says where each sequence ends
@@ -58,7 +60,7 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     {"logprob" float32 [B, P] (prompt token p's logprob given the tokens before it; NaN at p = 0 and past
     a prompt's end), "rank" int32 [B, P] (1 = the likeliest id; 0 where no logprob), "top_ids" int32
     [B, P, k], "top_logprobs" float32 [B, P, k] (the k likeliest ids at each position, best first)}.
-    speculative="ngram" (one device): each row drafts up to num_speculative_tokens tokens a step by prompt
+    speculative="ngram": each row drafts up to num_speculative_tokens tokens a step by prompt
     lookup and the step verifies them (k2jax.runtime.engine's speculative decoding): the same tokens when
     greedy, the same distribution when sampling. It runs through the serving engine's steps; on_token and
     prompt_logprobs are not taken with it, and `timings` receives steps, total_s, drafted, accepted and
@@ -70,10 +72,10 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
     stop_tokens = tuple(int(t) for t in stop_tokens)
     _check(cfg, prompts, max_new_tokens, temperature, top_k, top_p, max_len, stop_tokens)
     if speculative is not None:
-        if mesh is not None or on_token is not None or prompt_logprobs is not None:
-            raise ValueError("speculative: runs on one device, without on_token or prompt_logprobs")
+        if on_token is not None or prompt_logprobs is not None:
+            raise ValueError("speculative: runs without on_token or prompt_logprobs")
         return _speculative(model, params, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens,
-                            max_len, kv_cache_dtype, page_size, speculative, num_speculative_tokens, timings)
+                            max_len, kv_cache_dtype, page_size, speculative, num_speculative_tokens, timings, mesh)
     if prompt_logprobs is not None and (not isinstance(prompt_logprobs, (int, np.integer))
                                         or not 0 <= prompt_logprobs <= sampling.MAX_TOP_LOGPROBS):
         raise ValueError(f"prompt_logprobs must be an integer in [0, {sampling.MAX_TOP_LOGPROBS}] or None, "
@@ -166,24 +168,29 @@ def generate(model: K2Model, params, prompts: Sequence[Sequence[int]], max_new_t
 
 
 def _speculative(model, params, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, max_len,
-                 kv_cache_dtype, page_size, method, k, timings):
-    """generate through the serving engine with speculative decoding (see generate)."""
-    from k2jax.runtime.engine import Engine, Request, SamplingParams
+                 kv_cache_dtype, page_size, method, k, timings, mesh=None):
+    """generate through the serving engine with speculative decoding (see generate); on `mesh`, its slots
+    (the prompts', rounded up to whole data-parallel shards) and pool split over the shards."""
+    from k2jax.runtime.engine import Engine, Request, SamplingParams, round_up_slots
 
     longest = max(len(p) for p in prompts)
     max_len = max_len or longest + max_new_tokens
     B = len(prompts)
-    eng = Engine(model, params, max_batch=B, max_len=max_len + 1, prefill_chunk=max_len, kv_tokens=B * (max_len + 1),
-                 kv_cache_dtype=kv_cache_dtype or "auto", page_size=page_size, prefix_cache=False,
-                 speculative=method, num_speculative_tokens=k)
+    slots = B if mesh is None else round_up_slots(B, mesh)
+    if mesh is not None:
+        params = jax.tree.map(lambda x: _on_mesh(x, mesh), params)
+    eng = Engine(model, params, max_batch=slots, max_len=max_len + 1, prefill_chunk=max_len,
+                 kv_tokens=slots * (max_len + 1), kv_cache_dtype=kv_cache_dtype or "auto", page_size=page_size,
+                 prefix_cache=False, speculative=method, num_speculative_tokens=k, mesh=mesh)
     events = [[] for _ in prompts]
     eng.submit(*[Request(list(map(int, p)), SamplingParams(
         max_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
         seed=(seed + b) % 2**32, stop_ids=stop_tokens), events[b].append) for b, p in enumerate(prompts)])
     t0, steps = time.perf_counter(), 0
-    while not all(e and e[-1].finish_reason for e in events):
-        eng.step()
-        steps += 1
+    with contextlib.nullcontext() if mesh is None else use_mesh(mesh):
+        while not all(e and e[-1].finish_reason for e in events):
+            eng.step()
+            steps += 1
     result = np.full((B, max_new_tokens), PAD_ID, np.int32)
     lengths = np.zeros(B, np.int32)
     for b, ev in enumerate(events):
