@@ -75,7 +75,7 @@ def step_shapes(batch: int, max_len: int, page_size: int, prefill: int = 8192, c
             G = DEFAULT_BLOCK
             blocks = -(-min(chunk, max_len) // G) if name == "ragged_chunk" else 0
             out[name] = RaggedShape(batch // shards, blocks, G, batch, W, shards=shards)
-        if name == "decode":
+        elif name == "decode":
             out[name] = StepShape(batch, 1, W, W)
         elif name == "decode1":
             out[name] = StepShape(1, 1, W, W)

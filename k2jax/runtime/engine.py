@@ -420,8 +420,8 @@ class Engine:
             n = [min(len(q.draft), k) for q in rows]
             if k and not any(n):
                 break
-            D = max(sum(1 + m for q, m in zip(rows, n) if q.slot // s.per_shard == sh) for sh in range(s.shards))
-            shape = s.decode_shape(D, verify=bool(k))  # each segment's tokens: the fullest shard's
+            D = s.fullest_segment((q.slot, 1 + m) for q, m in zip(rows, n))
+            shape = s.decode_shape(D, verify=bool(k))
             gain = sum(sum(q.accept_rate ** (i + 1) for i in range(m)) for q, m in zip(rows, n))
             # Drafts must beat a plain decode by SPEC_MARGIN: the estimates are rough, and a loss costs every row.
             rate = (len(rows) + gain) / (self.spec_step_s[shape] * (SPEC_MARGIN if k else 1.0))

@@ -115,6 +115,7 @@ class Runner:
         self._compiled: dict[StepShape, object] = {}
         self._set_samp = None  # set_sampling's program (compiled with the first steps)
         self._masks: dict = {}  # {shape: neutral_mask(shape)}
+        self._batch_sh: dict = {}  # {shape: _shardings(shape)}
         if abstract:
             self.state = state_shapes(self.cfg, slots, num_pages, page_size, self.kv_dtype, mesh)
             return
@@ -244,6 +245,11 @@ class Runner:
         flat arrays split by segment like its rows."""
         if self.mesh is None:
             return None
+        if shape not in self._batch_sh:  # made once per shape: `step` asks on every call
+            self._batch_sh[shape] = self._make_shardings(shape)
+        return self._batch_sh[shape]
+
+    def _make_shardings(self, shape: StepShape | RaggedShape):
         if isinstance(shape, RaggedShape):
             if shape.shards != self.shards:
                 raise ValueError(f"a ragged step of {shape.shards} segments on a mesh of {self.shards} "

@@ -195,16 +195,15 @@ class Scheduler:
         # With data-parallel shards, a step has one segment per shard (k2jax.runtime.layout): the sizes are
         # each segment's, and each shard's chunks are chosen from its own rows.
         self.block = ragged_block
+        per = self.per_shard  # the sizes below are each segment's
         if ragged_block is not None:
             G = ragged_block
-            per = self.per_shard
             self.decode_sizes = pow2_upto(per, lo=max(1, per // 8))  # at most 4: a spare row costs little
             top = -(-self.idle // G) * G
             self.region_sizes = sorted({-(-t // G) * G for t in pow2_upto(top, lo=min(top, max(64, G)))})
         # Speculative decoding: a step with no prompt chunk where some row feeds drafts verifies them all, in a
         # decode region of up to every slot's token and its speculative_tokens drafts.
         self.spec = speculative_tokens
-        per = self.per_shard  # each segment's
         self.verify_sizes = pow2_upto(per * (1 + self.spec), lo=max(2, per // 8)) if self.spec else []
         # {chunk-region RaggedShape: (seconds with no cached prefix, seconds per token of the longest cached
         # prefix a chunk in it reads)}, see `timed_shapes`; empty: chunks of prefill_chunk tokens whatever
@@ -390,12 +389,9 @@ class Scheduler:
         rows: list[tuple[Seq | None, int]] = [(None, 0)] * self.slots
         for s, n in fed:
             rows[s.slot] = (s, n)
-        # Each segment's tokens: the most over the shards sizes the step.
-        chunk_tokens = max(sum(blocks_for(n, G) * G for s, n in fed if n > 1 and s.slot // self.per_shard == sh)
-                           for sh in range(self.shards))
+        chunk_tokens = self.fullest_segment((s.slot, blocks_for(n, G) * G) for s, n in fed if n > 1)
         if drafts or chunk_tokens == 0:
-            shape = self.decode_shape(max(sum(n for s, n in fed if s.slot // self.per_shard == sh)
-                                          for sh in range(self.shards)), verify=bool(drafts))
+            shape = self.decode_shape(self.fullest_segment((s.slot, n) for s, n in fed), verify=bool(drafts))
         else:
             shape = self._region_shape(bucket(chunk_tokens, self.region_sizes))
         return RaggedCall(shape, rows, drafts)
@@ -434,6 +430,14 @@ class Scheduler:
             if n < s.pending:
                 break
         return chunks
+
+    def fullest_segment(self, rows) -> int:
+        """The most tokens one shard's segment of a ragged step takes (the step's size per segment): rows =
+        (slot, tokens) pairs, each counted in its slot's shard."""
+        per = [0] * self.shards
+        for slot, n in rows:
+            per[slot // self.per_shard] += n
+        return max(per)
 
     def decode_shape(self, tokens: int, verify: bool = False) -> RaggedShape:
         """The ragged shape of a step with no prompt chunk over `tokens` decode-region tokens in each segment
