@@ -319,33 +319,31 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         row_M, live_M = row_T[D::G], blocks(valid_T).any(1)
         q_nope_cNK = q_nope_TNK[D:]
         q_nope_TNK = (q_nope_cNK.astype(f32) * scale).astype(dt)
-        parts = []  # (m, l [Tc, N], acc [Tc, N, V]) over disjoint keys
         Q = _tile(M * G, G)
-        if absorbed_is_cheaper(Q, R, K, K + w_uv_NVR.shape[1]):  # short tiles: every block's prefix absorbed
-            cached = live_M
-        else:  # each tile's first row reads its prefix expanded, once per tile; other rows' blocks absorbed
-            first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)
-            cached = live_M & ~first_M
-            parts.append(_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
-                                              row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, CHUNK_VISIT_KEYS))
+        first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)  # each tile's first row's blocks
+        expanded = not absorbed_is_cheaper(Q, R, K, K + w_uv_NVR.shape[1])  # long tiles: their first row's
+        cached = live_M & ~first_M if expanded else live_M  # prefix expanded, once per tile; others absorbed
+        V = w_uv_NVR.shape[1]
 
-        def absorbed():  # the blocks left to it over their rows' cached keys; W_UV takes the latent sum to values
+        def absorbed():  # the blocks of `cached`, read absorbed; W_UV takes their latent sums to values
             q_lat_cNR = (_absorb_uk(q_nope_cNK, w_kv_b_RNX, K, dt) * scale).astype(dt)
             m1, l1, acc1 = (x.reshape((M * G,) + x.shape[2:]) for x in cache_state(
                 q_lat_cNR.reshape(M, G, N, R), blocks(q_pe_TNP), row_M, cached, *pool, CHUNK_VISIT_KEYS))
             return m1, l1, jnp.einsum("TNR,NVR->TNV", acc1.astype(dt), w_uv_NVR, preferred_element_type=f32)
 
-        # Skipped at run time where no such block has cached keys (a step's chunks often each fill their tiles'
-        # first rows, or start their rows): its products over every chunk token otherwise cost 20-40% of a
-        # chunk step on XLA:CPU (bench config, a lone 512 or 2048-token chunk).
-        parts.append(_unless_seen_nothing(jnp.any(cached & (lengths_B[row_M] > 0)), absorbed, M * G, N,
-                                          w_uv_NVR.shape[1]))
-        parts.append(_over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_uk_NRK, w_uv_NVR, row_M,
-                                 pos_T[D:], valid_T[D:], G, dt))
-        m = functools.reduce(jnp.maximum, [p[0] for p in parts])
-        a = [jnp.exp(p[0] - m) for p in parts]
-        l = sum(ai * p[1] for ai, p in zip(a, parts))
-        acc = sum(ai[..., None] * p[2] for ai, p in zip(a, parts))
+        def prefix():  # the blocks' states over their rows' cached keys
+            if not expanded:
+                return absorbed()
+            return _merge([_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
+                                                row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, CHUNK_VISIT_KEYS),
+                           _unless_seen_nothing(jnp.any(cached & (lengths_B[row_M] > 0)), absorbed, M * G, N, V)])
+
+        # Skipped at run time where no block has cached keys (a step's chunks often start their rows), and the
+        # absorbed form where only tiles' first rows have: their products over every chunk token otherwise
+        # cost 20-40% of a chunk step on XLA:CPU (bench config, a lone 256, 512 or 2048-token chunk).
+        state = _unless_seen_nothing(jnp.any(live_M & (lengths_B[row_M] > 0)), prefix, M * G, N, V)
+        m, l, acc = _merge([state, _over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_uk_NRK,
+                                                w_uv_NVR, row_M, pos_T[D:], valid_T[D:], G, dt)])
         outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
     return jnp.concatenate(outs).astype(dt)
 
@@ -356,6 +354,13 @@ def _unless_seen_nothing(any_keys, fn, Tc: int, N: int, V: int):
     f32 = jnp.float32
     return jax.lax.cond(any_keys, fn, lambda: (jnp.full((Tc, N), _NEG_INF, f32), jnp.zeros((Tc, N), f32),
                                                jnp.zeros((Tc, N, V), f32)))
+
+
+def _merge(parts):
+    """The online-softmax state (m, l [T, N], acc [T, N, V]) over the union of the parts' disjoint keys."""
+    m = functools.reduce(jnp.maximum, [p[0] for p in parts])
+    a = [jnp.exp(p[0] - m) for p in parts]
+    return m, sum(ai * p[1] for ai, p in zip(a, parts)), sum(ai[..., None] * p[2] for ai, p in zip(a, parts))
 
 
 def _tile(Tc: int, G: int) -> int:
@@ -461,35 +466,30 @@ def _over_cache_expanded(q_nope_TNK, q_pe_TNP, query_T, row_n, Q: int, pages_LAY
         return jnp.moveaxis(x.reshape((n, Q) + x.shape[1:]), 2, 1)
 
     V = w_uv_NVR.shape[1]
+    q_nope_nNQK, q_pe_nNQP = tiles(q_nope_TNK), tiles(q_pe_TNP)
 
-    def run():  # in the branch, so that a first chunk skips the tiles' layout work too
-        q_nope_nNQK, q_pe_nNQP = tiles(q_nope_TNK), tiles(q_pe_TNP)
+    def visit(i, st):
+        m, l, acc = st
+        x_nZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_nW, i, v, C, R, dt)
+        k_nNZK = jnp.einsum("nZR,NRK->nNZK", x_nZC[..., :R], w_uk_NRK, preferred_element_type=f32).astype(dt)
+        v_nNZV = jnp.einsum("nZR,NVR->nNZV", x_nZC[..., :R], w_uv_NVR, preferred_element_type=f32).astype(dt)
+        s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, k_nNZK, preferred_element_type=f32)
+                  + jnp.einsum("nNQP,nZP->nNQZ", q_pe_nNQP, x_nZC[..., R:], preferred_element_type=f32))
+        # Keys past the row's length masked once: the first visit holds a tile's key 0, so m is finite
+        # from then on and a masked key's exp is 0 (a tile that sees nothing is masked after the loop).
+        key_nZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_n[:, None]
+        s_nNQZ = jnp.where(key_nZ[:, None, None, :], s_nNQZ, _NEG_INF)
+        m_new = jnp.maximum(m, s_nNQZ.max(-1))
+        p_nNQZ = jnp.exp(s_nNQZ - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("nNQZ,nNZV->nNQV", p_nNQZ.astype(dt), v_nNZV, preferred_element_type=f32)
+        return m_new, l * corr + p_nNQZ.sum(-1), acc * corr[..., None] + pv
 
-        def visit(i, st):
-            m, l, acc = st
-            x_nZC = _visit_keys(pages_LAYC, scales_LA2Y, layer, table_nW, i, v, C, R, dt)
-            k_nNZK = jnp.einsum("nZR,NRK->nNZK", x_nZC[..., :R], w_uk_NRK, preferred_element_type=f32).astype(dt)
-            v_nNZV = jnp.einsum("nZR,NVR->nNZV", x_nZC[..., :R], w_uv_NVR, preferred_element_type=f32).astype(dt)
-            s_nNQZ = (jnp.einsum("nNQK,nNZK->nNQZ", q_nope_nNQK, k_nNZK, preferred_element_type=f32)
-                      + jnp.einsum("nNQP,nZP->nNQZ", q_pe_nNQP, x_nZC[..., R:], preferred_element_type=f32))
-            # Keys past the row's length masked once: the first visit holds a tile's key 0, so m is finite
-            # from then on and a masked key's exp is 0 (a tile that sees nothing is masked after the loop).
-            key_nZ = (i * v * Y + jnp.arange(v * Y))[None, :] < len_n[:, None]
-            s_nNQZ = jnp.where(key_nZ[:, None, None, :], s_nNQZ, _NEG_INF)
-            m_new = jnp.maximum(m, s_nNQZ.max(-1))
-            p_nNQZ = jnp.exp(s_nNQZ - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("nNQZ,nNZV->nNQV", p_nNQZ.astype(dt), v_nNZV, preferred_element_type=f32)
-            return m_new, l * corr + p_nNQZ.sum(-1), acc * corr[..., None] + pv
-
-        init = (jnp.full((n, N, Q), _NEG_INF, f32), jnp.zeros((n, N, Q), f32), jnp.zeros((n, N, Q, V), f32))
-        m, l, acc = jax.lax.fori_loop(0, visits, visit, init)
-        m, l, acc = (jnp.moveaxis(x, 1, 2).reshape((Tc, N) + x.shape[3:]) for x in (m, l, acc))
-        seen_T = (query_nQ & (len_n > 0)[:, None]).reshape(Tc, 1)
-        return (jnp.where(seen_T, m, _NEG_INF), jnp.where(seen_T, l, 0.0),
-                jnp.where(seen_T[..., None], acc, 0.0))
-
-    return _unless_seen_nothing(visits > 0, run, Tc, N, V)
+    init = (jnp.full((n, N, Q), _NEG_INF, f32), jnp.zeros((n, N, Q), f32), jnp.zeros((n, N, Q, V), f32))
+    m, l, acc = jax.lax.fori_loop(0, visits, visit, init)
+    m, l, acc = (jnp.moveaxis(x, 1, 2).reshape((Tc, N) + x.shape[3:]) for x in (m, l, acc))
+    seen_T = (query_nQ & (len_n > 0)[:, None]).reshape(Tc, 1)
+    return jnp.where(seen_T, m, _NEG_INF), jnp.where(seen_T, l, 0.0), jnp.where(seen_T[..., None], acc, 0.0)
 
 
 def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_uk_NRK, w_uv_NVR, row_M, pos_T, valid_T, G: int, dt):
@@ -499,63 +499,70 @@ def _over_chunk(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_uk_NRK, w_uv_NVR, row_M
     position. Visited in tiles of CHUNK_TILE tokens (whole blocks): query tile i visits key tiles from the
     one holding its first row's first block up to itself (a row's blocks are consecutive; keys of other rows
     are masked), so a long chunk runs as a few large products and tiles of earlier rows are skipped.
-    q_nope [T, N, K] and q_pe [T, N, P] scaled; ckv [T, R]; k_pe [T, P]; row_M the blocks' rows."""
+    q_nope [T, N, K] and q_pe [T, N, P] scaled; ckv [T, R]; k_pe [T, P]; row_M the blocks' rows.
+
+    Laid out as the rectangular step's expanded attention (k2jax.ops.attention.attend_expanded): head-major
+    ([N, T, ...]: XLA:CPU runs heads in the middle as many small products), the rope columns beside the
+    nope ones (one score product over K + P, not a second pass over the scores), and optimization barriers
+    between the stages, which XLA:CPU may otherwise fuse into its matmuls."""
     Tc, N, K = q_nope_TNK.shape
+    P = q_pe_TNP.shape[-1]
     Q = _tile(Tc, G)
     n = Tc // Q
     f32 = jnp.float32
-    # Head-major ([N, T, ...]): each product is then one batched matmul with the heads leading (XLA:CPU
-    # runs heads in the middle as many small products; see k2jax.ops.attention.attend_expanded).
-    k_NTK = jnp.einsum("TR,NRK->NTK", ckv_TR, w_uk_NRK, preferred_element_type=f32).astype(dt)
-    v_NTV = jnp.einsum("TR,NVR->NTV", ckv_TR, w_uv_NVR, preferred_element_type=f32).astype(dt)
+    barrier = jax.lax.optimization_barrier
+    k_NTK = barrier(jnp.einsum("TR,NRK->NTK", ckv_TR, w_uk_NRK, preferred_element_type=f32).astype(dt))
+    v_NTV = barrier(jnp.einsum("TR,NVR->NTV", ckv_TR, w_uv_NVR, preferred_element_type=f32).astype(dt))
+    q_NTH = jnp.concatenate([q_nope_TNK, q_pe_TNP], -1).transpose(1, 0, 2)
+    k_NTH = jnp.concatenate([k_NTK, jnp.broadcast_to(k_pe_TP[None].astype(dt), (N, Tc, P))], -1)
 
     def tiles(x):  # [N, T, ...] -> [n, N, Q, ...]
         return jnp.moveaxis(x.reshape((x.shape[0], n, Q) + x.shape[2:]), 1, 0)
 
-    q_nope, q_pe, k_nope, v = (tiles(x) for x in (q_nope_TNK.transpose(1, 0, 2), q_pe_TNP.transpose(1, 0, 2),
-                                                  k_NTK, v_NTV))
-    k_pe = k_pe_TP.reshape(n, Q, -1)
-
     def flat_tiles(x):
         return x.reshape((n, Q) + x.shape[1:])
 
-    row_nQ, pos_nQ, valid_nQ = flat_tiles(jnp.repeat(row_M, G)), flat_tiles(pos_T), flat_tiles(valid_T)
-    first_M = jnp.argmax(row_M[None, :] == row_M[:, None], axis=1)  # each block's row's first block
-    lo_n = (first_M[::Q // G] * G) // Q  # the key tile of each query tile's first row's first block
-    lo_n = jnp.where(valid_nQ.any(1), lo_n, n)  # a padding tile visits nothing
+    row_T = jnp.repeat(row_M, G)
+    row_nQ, pos_nQ, valid_nQ = flat_tiles(row_T), flat_tiles(pos_T), flat_tiles(valid_T)
+
+    def sees(q_rows, q_pos, k_rows, k_pos, k_valid):  # [1, queries, keys]: a row's keys up to the query
+        return (k_valid[None, :] & (k_rows[None, :] == q_rows[:, None]) & (k_pos[None, :] <= q_pos[:, None]))[None]
 
     if n <= UNROLL_TILES:  # a short region: each query tile against every key up to its end, one product each
         outs = []
         for i in range(n):
             end = (i + 1) * Q
-            s_NQS = (jnp.einsum("NQK,NSK->NQS", q_nope[i], k_NTK[:, :end], preferred_element_type=f32)
-                     + jnp.einsum("NQP,SP->NQS", q_pe[i], k_pe_TP[:end], preferred_element_type=f32))
-            see_1QS = (valid_T[None, :end] & (jnp.repeat(row_M, G)[None, :end] == row_nQ[i][:, None])
-                       & (pos_T[None, :end] <= pos_nQ[i][:, None]))[None]
+            s_NQS = barrier(jnp.einsum("NQH,NSH->NQS", q_NTH[:, i * Q:end], k_NTH[:, :end],
+                                       preferred_element_type=f32))
+            see_1QS = sees(row_nQ[i], pos_nQ[i], row_T[:end], pos_T[:end], valid_T[:end])
             s_NQS = jnp.where(see_1QS, s_NQS, _NEG_INF)
             m_NQ = s_NQS.max(-1)
             p_NQS = jnp.where(see_1QS, jnp.exp(s_NQS - m_NQ[..., None]), 0.0)
             l_NQ = p_NQS.sum(-1)
             # The probabilities normalised before they are rounded to dt, as a plain softmax would be (the
             # model's own forward: a prompt's scores then follow it to float32 rounding), then scaled back.
-            p_NQS = (p_NQS / jnp.where(l_NQ > 0, l_NQ, 1.0)[..., None]).astype(dt)
-            acc_NQV = jnp.einsum("NQS,NSV->NQV", p_NQS, v_NTV[:, :end], preferred_element_type=f32)
+            p_NQS = barrier((p_NQS / jnp.where(l_NQ > 0, l_NQ, 1.0)[..., None]).astype(dt))
+            acc_NQV = barrier(jnp.einsum("NQS,NSV->NQV", p_NQS, v_NTV[:, :end], preferred_element_type=f32))
             outs.append((m_NQ, l_NQ, acc_NQV * l_NQ[..., None]))
         m, l, acc = (jnp.concatenate([o[k] for o in outs], 1) for k in range(3))  # [N, Tc, ...]
         return jnp.moveaxis(m, 0, 1), jnp.moveaxis(l, 0, 1), jnp.moveaxis(acc, 0, 1)
 
+    q, k, v = tiles(q_NTH), tiles(k_NTH), tiles(v_NTV)
+    first_M = jnp.argmax(row_M[None, :] == row_M[:, None], axis=1)  # each block's row's first block
+    lo_n = (first_M[::Q // G] * G) // Q  # the key tile of each query tile's first row's first block
+    lo_n = jnp.where(valid_nQ.any(1), lo_n, n)  # a padding tile visits nothing
+
     def one_tile(i):
         def visit(j, st):
             m, l, acc = st
-            s_NQZ = (jnp.einsum("NQK,NZK->NQZ", q_nope[i], k_nope[j], preferred_element_type=f32)
-                     + jnp.einsum("NQP,ZP->NQZ", q_pe[i], k_pe[j], preferred_element_type=f32))
-            see_1QZ = (valid_nQ[j][None, :] & (row_nQ[j][None, :] == row_nQ[i][:, None])
-                       & (pos_nQ[j][None, :] <= pos_nQ[i][:, None]))[None]
+            s_NQZ = barrier(jnp.einsum("NQH,NZH->NQZ", q[i], k[j], preferred_element_type=f32))
+            see_1QZ = sees(row_nQ[i], pos_nQ[i], row_nQ[j], pos_nQ[j], valid_nQ[j])
             s_NQZ = jnp.where(see_1QZ, s_NQZ, _NEG_INF)
             m_new = jnp.maximum(m, s_NQZ.max(-1))
             p_NQZ = jnp.where(see_1QZ, jnp.exp(s_NQZ - m_new[..., None]), 0.0)
             corr = jnp.exp(m - m_new)
-            pv_NQV = jnp.einsum("NQZ,NZV->NQV", p_NQZ.astype(dt), v[j], preferred_element_type=f32)
+            pv_NQV = barrier(jnp.einsum("NQZ,NZV->NQV", barrier(p_NQZ.astype(dt)), v[j],
+                                        preferred_element_type=f32))
             return m_new, l * corr + p_NQZ.sum(-1), acc * corr[..., None] + pv_NQV
 
         V = v.shape[-1]
