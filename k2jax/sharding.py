@@ -242,11 +242,14 @@ def rings(axis: str, size: int) -> tuple[int, ...]:
     return found if found and math.prod(found) == size else (size,)
 
 
-def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
+def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...], head_dims=None, out_head_dims=None,
+              head_axes: tuple[str, ...] = ()):
     """fn(shard, *args) -> tuple of arrays, run once per data-parallel shard under shard_map when the current
     mesh splits `axes` (> 1 shard): each arg split along its axis in `dims` (None = whole), the outputs
     joined along `out_dims`, `shard` = the shard's index (row-major over `axes`, as NamedSharding splits a
-    dim). Without such a mesh: fn(0, *args) on the whole arrays.
+    dim). Without such a mesh: fn(0, *args) on the whole arrays. head_dims and out_head_dims (a dim or None
+    per arg and per output) are also split over `head_axes` (the attention heads' tensor-parallel axes),
+    so that each chip of a shard runs its own heads.
 
     For state that lives per shard (the KV cache's pages, per-slot sampling state): each shard's rows use
     only its own part, so nothing is gathered across chips."""
@@ -254,15 +257,27 @@ def per_shard(fn, args, dims, out_dims, axes: tuple[str, ...]):
     axes = cutting_axes(axes, dict(mesh.shape))
     if not axes:
         return fn(0, *args)
+    head_axes = cutting_axes(head_axes, dict(mesh.shape))
 
-    def spec(d):
-        return P() if d is None else P(*([None] * d + [axes]))
+    def spec(d, h=None):
+        h = h if head_axes else None
+        if d is None and h is None:
+            return P()
+        entries = [None] * (1 + max(x for x in (d, h) if x is not None))
+        if d is not None:
+            entries[d] = axes
+        if h is not None:
+            entries[h] = head_axes
+        return P(*entries)
+
+    head_dims = head_dims or (None,) * len(dims)
+    out_head_dims = out_head_dims or (None,) * len(out_dims)
 
     def sharded(*xs):
         return fn(shard_index(axes), *xs)
 
-    return jax.shard_map(sharded, mesh=mesh, in_specs=tuple(spec(d) for d in dims),
-                         out_specs=tuple(spec(d) for d in out_dims), check_vma=False)(*args)
+    return jax.shard_map(sharded, mesh=mesh, in_specs=tuple(spec(d, h) for d, h in zip(dims, head_dims)),
+                         out_specs=tuple(spec(d, h) for d, h in zip(out_dims, out_head_dims)), check_vma=False)(*args)
 
 
 def shard_index(axes, mesh=None):

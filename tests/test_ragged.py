@@ -237,10 +237,11 @@ def _one_device(cache):
 @pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
 @pytest.mark.parametrize("spec", ["data=2,tensor=4", "data=2,expert=2,tensor=2", None],
                          ids=["data2_tensor4", "data2_expert2_tensor2", "no_mesh"])
-def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, spec):
+def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, spec, monkeypatch):
     """A flat batch in one segment per data-parallel shard (each shard's rows, chunks and pool part): on a
     mesh each shard attends and writes under shard_map; without one (the plain form) the segments run one
-    after another. Both against the plain rectangular call on one device reading the same pool."""
+    after another. Both against the plain rectangular call on one device reading the same pool. On a mesh
+    with a tensor axis each chip attends with its own heads: fewer flops per chip than every head on each."""
     from k2jax.sharding import make_mesh, use_mesh
 
     mesh = make_mesh(spec or "data=2,tensor=4")  # without a mesh: a 2-shard pool's layout, on one device
@@ -271,9 +272,20 @@ def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv
     rc = RaggedCache(*pool, jnp.asarray(meta["table"]), jnp.asarray(meta["lengths"]), jnp.asarray(meta["row"]),
                      jnp.asarray(meta["pos"]), jnp.asarray(meta["valid"]), TINY.qk_rope_head_dim, shape.decode,
                      shape.block, cache.pad, shards, sharded.shard_axes if spec else ())
+    args = (params, jnp.asarray(meta["tokens"]).reshape(shards, Ts), jnp.asarray(meta["valid"]).reshape(shards, Ts),
+            rc, jnp.asarray(at))
     with use_mesh(mesh) if spec else contextlib.nullcontext():
-        logits, got = _RAGGED(params, jnp.asarray(meta["tokens"]).reshape(shards, Ts),
-                              jnp.asarray(meta["valid"]).reshape(shards, Ts), rc, jnp.asarray(at))
+        if spec is not None and kv_dtype == "float32":
+            def flops():  # per chip, of a fresh trace
+                step = jax.jit(lambda p, t, v, c, at: K2Model(TINY).apply({"params": p}, t, None, v, c, at))
+                return step.lower(*args).compile().cost_analysis()["flops"]
+
+            split = flops()
+            with monkeypatch.context() as m:
+                m.setattr("k2jax.ops.ragged.cutting_axes", lambda *a: ())  # every head on every chip
+                whole = flops()
+            assert split < 0.95 * whole, (split, whole)
+        logits, got = _RAGGED(*args)
     logits = np.asarray(logits).reshape(B, -1)
     tol = 1e-5 if kv_dtype == "float32" else 2e-4
     for b, (_, n) in enumerate(ROWS):

@@ -45,7 +45,8 @@ from k2jax.ops.paged import TRASH_PAGE, gather_latents, head_blocks, quantize_la
 from k2jax.ops.attention import absorbed_is_cheaper, stack_halves
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
-from k2jax.sharding import per_shard, split_axes
+from k2jax.ops.spec import cutting_axes
+from k2jax.sharding import logical_to_spec, per_shard, split_axes
 
 _NEG_INF = -1e30
 # Cached keys an online-softmax visit reads per row (whole pages: at least one), for a decode token and for a
@@ -97,11 +98,12 @@ class RaggedCache:
         """What layer `layer` of `group` attends over (k2jax.nn.block): the pool and the step's metadata."""
         return RaggedContext(self, group, layer, dtype)
 
-    def each_shard(self, fn, args, dims, out_dims):
+    def each_shard(self, fn, args, dims, out_dims, head_dims=None, out_head_dims=None, head_axes=()):
         """fn(first_page, first_row, *args) -> tuple, once per segment, each arg split along its dim in `dims`
         (None: whole) into S parts and the outputs joined along `out_dims`; `first_page` and `first_row` are
         the global ids of the segment's shard's first page and row. Under shard_map on a mesh that splits
-        shard_axes into S shards; without one, the segments one after another (S = 1: one call)."""
+        shard_axes into S shards (and head_dims / out_head_dims over head_axes: k2jax.sharding.per_shard);
+        without one, the segments one after another (S = 1: one call)."""
         S = self.shards
         A, B = next(iter(self.pages.values())).shape[1], self.page_table.shape[0]
         axes = split_axes(self.shard_axes, S)
@@ -109,7 +111,8 @@ class RaggedCache:
             mesh = jax.sharding.get_abstract_mesh()
             if (n := math.prod(mesh.shape[a] for a in axes)) != S:
                 raise ValueError(f"a ragged step of {S} segments on a mesh of {n} data-parallel shards")
-            return per_shard(lambda s, *xs: fn(s * (A // S), s * (B // S), *xs), args, dims, out_dims, axes)
+            return per_shard(lambda s, *xs: fn(s * (A // S), s * (B // S), *xs), args, dims, out_dims, axes,
+                             head_dims, out_head_dims, head_axes)
         if S == 1:
             return fn(0, 0, *args)
 
@@ -263,17 +266,31 @@ class RaggedContext:
         elif stack is not None and head_blocks(stack, K):  # fp8 in head-aligned blocks, read as held
             w_kv_b_RNX = BlocksKV(stack, self.layer)
 
+        # Heads split over the mesh's tensor axes, as the projections around hold them: each chip attends
+        # with its own heads' queries and kv_b_proj columns (the latent pool is whole on every chip of a
+        # shard), not every head on each (a kv_b_proj read as fp8 blocks keeps every head: its blocks are
+        # the stack's).
+        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
+        split = isinstance(w_kv_b_RNX, InPlaceKV) or (isinstance(w_kv_b_RNX, jax.Array)
+                                                      and w_kv_b_RNX.ndim == 3)
+        head_axes = cutting_axes(logical_to_spec(("heads",), q_nope_BTNK.shape[2:3], mesh_shape)[0],
+                                 mesh_shape) if split and mesh_shape else ()
+        w_arg = (w_kv_b_RNX,) if head_axes else ()
+
         def one(first_page, first_row, q_nope_1TNK, q_pe_1TNP, ckv_1TR, k_pe_1TP, table_BW, lengths_B, row_T, pos_T,
-                valid_T, pages_LAYC, *scales_LA2Y):
-            out_TNV = ragged_attention(q_nope_1TNK[0], q_pe_1TNP[0], ckv_1TR[0], k_pe_1TP[0], w_kv_b_RNX, scale,
-                                       pages_LAYC, scales_LA2Y[0] if scales_LA2Y else None, self.layer,
+                valid_T, pages_LAYC, *rest):
+            w, rest = (rest[0], rest[1:]) if head_axes else (w_kv_b_RNX, rest)
+            out_TNV = ragged_attention(q_nope_1TNK[0], q_pe_1TNP[0], ckv_1TR[0], k_pe_1TP[0], w, scale,
+                                       pages_LAYC, rest[0] if rest else None, self.layer,
                                        _local_table(first_page, table_BW, pages_LAYC), lengths_B,
                                        row_T - first_row, pos_T, valid_T, c.decode, c.block, c.pad, self.dtype)
             return (out_TNV[None],)
 
         args = (q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, c.page_table, c.lengths, c.row_T, c.pos_T, c.valid_T,
-                c.pages[self.group]) + (() if scales is None else (scales,))
-        (out_BTNV,) = c.each_shard(one, args, (0,) * 9 + (1,) * (len(args) - 9), (0,))
+                c.pages[self.group]) + w_arg + (() if scales is None else (scales,))
+        dims = (0,) * 9 + (1,) + (None,) * len(w_arg) + (1,) * (scales is not None)
+        heads = (2, 2) + (None,) * 8 + (1,) * len(w_arg) + (None,) * (scales is not None)
+        (out_BTNV,) = c.each_shard(one, args, dims, (0,), heads, (2,), head_axes)
         return out_BTNV
 
 
