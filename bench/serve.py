@@ -17,6 +17,9 @@ which the oracle environment does not install: `--hf-extra DIR` puts a `pip inst
 uvicorn openai accelerate` on its path. Prompts go to it as text of a word-level tokenizer written beside the
 checkpoint ("t17 t5 ..." is ids 17, 5, ...), to k2jax as the same token ids; k2jax ignores EOS, transformers
 stops at it (rare on random weights; tokens/s counts the tokens it sent).
+
+`--in-process` runs only k2jax's side, through its Engine in this process (no HTTP): output tokens/s and the
+steps' time by shape, e.g. `--in-process --requests 32 --concurrency 16`.
 """
 
 from __future__ import annotations
@@ -149,6 +152,65 @@ def stop(proc):
         proc.wait()
 
 
+def in_process(cfg, jobs, args) -> None:
+    """`--in-process`: the workload through k2jax's Engine in this process, with the server's settings, in a
+    closed loop at the highest --concurrency: no HTTP and no transformers, so a change to the step shows
+    without the servers' noise. Prints output tokens/s and the steps' time by shape."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    import k2jax
+    from k2jax.runtime.engine import Engine
+    from k2jax.runtime.requests import Request, SamplingParams
+    from k2jax.testing import random_params
+
+    dt = jnp.bfloat16
+    eng = Engine(k2jax.K2Model(cfg, dt), random_params(cfg, dt, seed=0), max_batch=args.max_batch,
+                 max_len=args.max_prompt + args.max_new, prefill_chunk=args.prefill_chunk, max_queue=len(jobs))
+    t0 = time.perf_counter()
+    eng.warm_up()
+    print(f"engine warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
+    queue, tokens, live = list(range(len(jobs))), [0], [0]
+
+    def submit():
+        p, n = jobs[queue.pop(0)]
+        live[0] += 1
+
+        def on(e):
+            tokens[0] += len(e.token_ids)
+            if e.finish_reason:
+                live[0] -= 1
+                if queue:
+                    submit()
+
+        eng.submit(Request(list(p), SamplingParams(max_tokens=n, temperature=0.0), on))
+
+    steps = collections.defaultdict(list)
+    run = eng.runner.step
+
+    def timed(shape, batch):  # each step waited for, to be timed alone
+        t = time.perf_counter()
+        out = run(shape, batch)
+        jax.block_until_ready(out["tokens"])
+        steps[shape].append(time.perf_counter() - t)
+        return out
+
+    eng.runner.step = timed
+    for _ in range(min(max(map(int, args.concurrency.split(","))), len(jobs))):
+        submit()
+    t0 = time.perf_counter()
+    while live[0] or queue:
+        eng.step()
+    wall = time.perf_counter() - t0
+    print(f"\nworkload: {len(jobs)} requests in process, {tokens[0]} output tokens in {wall:.1f} s: "
+          f"{tokens[0] / wall:.1f} tokens/s; steps {sum(map(len, steps.values()))}, "
+          f"{sum(map(sum, steps.values())):.1f} s of them")
+    for shape, ts in sorted(steps.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {sum(ts):6.2f} s  {len(ts):4d} x {1e3 * float(np.median(ts)):7.1f} ms  {shape}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(REPO, "configs", "bench.json"))
@@ -165,6 +227,8 @@ def main():
                                                        "accelerate for the oracle environment")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--log", default=os.devnull, help="the servers' output goes here")
+    ap.add_argument("--in-process", action="store_true",
+                    help="k2jax's Engine alone in this process, at the highest --concurrency (no servers)")
     args = ap.parse_args()
 
     import jax.numpy as jnp
@@ -175,6 +239,8 @@ def main():
 
     cfg = k2jax.K2Config.from_hf_config(args.config)
     jobs = workload(args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new, cfg.vocab_size)
+    if args.in_process:
+        return in_process(cfg, jobs, args)
     max_len = args.max_prompt + args.max_new
     log = open(args.log, "a")
     with tempfile.TemporaryDirectory() as d:

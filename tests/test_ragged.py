@@ -117,6 +117,7 @@ def test_chunk_tiles_skip_earlier_rows(params, tokens, monkeypatch, kv_dtype, ex
     from k2jax.ops import ragged
 
     monkeypatch.setattr(ragged, "CHUNK_TILE", 8)
+    monkeypatch.setattr(ragged, "PREFIX_TILE", 8)
     if expanded:
         monkeypatch.setattr(ragged, "absorbed_is_cheaper", lambda *a: False)
     cache = _prefixes(params, tokens, kv_dtype)

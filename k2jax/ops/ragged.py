@@ -55,6 +55,11 @@ _NEG_INF = -1e30
 DECODE_VISIT_KEYS = 512
 CHUNK_VISIT_KEYS = 256
 CHUNK_TILE = 256  # new tokens per query and key tile in the chunk region (whole blocks)
+# The expanded prefix form's tiles: each expands its first row's cached keys once per visit, so a chunk's
+# tiles of one row expand the same keys again each; larger tiles, with fewer keys per visit (the same
+# scores held at once), expand them fewer times.
+PREFIX_TILE = 512
+PREFIX_VISIT_KEYS = 128
 UNROLL_TILES = 4  # up to this many tiles, each query tile takes its keys in one product (no loop)
 
 
@@ -336,7 +341,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         row_M, live_M = row_T[D::G], blocks(valid_T).any(1)
         q_nope_cNK = q_nope_TNK[D:]
         q_nope_TNK = (q_nope_cNK.astype(f32) * scale).astype(dt)
-        Q = _tile(M * G, G)
+        Q = _tile(M * G, G, PREFIX_TILE)
         first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)  # each tile's first row's blocks
         expanded = not absorbed_is_cheaper(Q, R, K, K + w_uv_NVR.shape[1])  # long tiles: their first row's
         cached = live_M & ~first_M if expanded else live_M  # prefix expanded, once per tile; others absorbed
@@ -352,7 +357,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
             if not expanded:
                 return absorbed()
             return _merge([_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
-                                                row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, CHUNK_VISIT_KEYS),
+                                                row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, PREFIX_VISIT_KEYS),
                            _unless_seen_nothing(jnp.any(cached & (lengths_B[row_M] > 0)), absorbed, M * G, N, V)])
 
         # Skipped at run time where no block has cached keys (a step's chunks often start their rows), and the
@@ -380,10 +385,11 @@ def _merge(parts):
     return m, sum(ai * p[1] for ai, p in zip(a, parts)), sum(ai[..., None] * p[2] for ai, p in zip(a, parts))
 
 
-def _tile(Tc: int, G: int) -> int:
-    """Tokens per tile of a chunk region of Tc tokens in blocks of G: at most CHUNK_TILE, whole blocks, a
-    divisor of Tc."""
-    Q = min(Tc, max(G, CHUNK_TILE // G * G))
+def _tile(Tc: int, G: int, most: int | None = None) -> int:
+    """Tokens per tile of a chunk region of Tc tokens in blocks of G: at most `most` (default CHUNK_TILE),
+    whole blocks, a divisor of Tc."""
+    most = CHUNK_TILE if most is None else most
+    Q = min(Tc, max(G, most // G * G))
     while Tc % Q:
         Q -= G
     return Q
