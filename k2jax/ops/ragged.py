@@ -46,7 +46,7 @@ from k2jax.ops.attention import absorbed_is_cheaper, stack_halves
 from k2jax.ops.paged_mla import paged_mla
 from k2jax.ops.quant import materialize
 from k2jax.ops.spec import cutting_axes
-from k2jax.sharding import logical_to_spec, per_shard, split_axes
+from k2jax.sharding import per_shard, split_axes, split_specs
 
 _NEG_INF = -1e30
 # Cached keys an online-softmax visit reads per row (whole pages: at least one), for a decode token and for a
@@ -275,26 +275,32 @@ class RaggedContext:
         # with its own heads' queries and kv_b_proj columns (the latent pool is whole on every chip of a
         # shard), not every head on each (a kv_b_proj read as fp8 blocks keeps every head: its blocks are
         # the stack's).
-        mesh_shape = dict(jax.sharding.get_abstract_mesh().shape)
         split = isinstance(w_kv_b_RNX, InPlaceKV) or (isinstance(w_kv_b_RNX, jax.Array)
                                                       and w_kv_b_RNX.ndim == 3)
-        head_axes = cutting_axes(logical_to_spec(("heads",), q_nope_BTNK.shape[2:3], mesh_shape)[0],
-                                 mesh_shape) if split and mesh_shape else ()
-        w_arg = (w_kv_b_RNX,) if head_axes else ()
+        spec = split_specs(("heads",), q_nope_BTNK.shape[2:3]) if split else None
+        head_axes = cutting_axes(spec[0], dict(jax.sharding.get_abstract_mesh().shape)) if spec else ()
 
-        def one(first_page, first_row, q_nope_1TNK, q_pe_1TNP, ckv_1TR, k_pe_1TP, table_BW, lengths_B, row_T, pos_T,
-                valid_T, pages_LAYC, *rest):
-            w, rest = (rest[0], rest[1:]) if head_axes else (w_kv_b_RNX, rest)
-            out_TNV = ragged_attention(q_nope_1TNK[0], q_pe_1TNP[0], ckv_1TR[0], k_pe_1TP[0], w, scale,
-                                       pages_LAYC, rest[0] if rest else None, self.layer,
-                                       _local_table(first_page, table_BW, pages_LAYC), lengths_B,
-                                       row_T - first_row, pos_T, valid_T, c.decode, c.block, c.pad, self.dtype)
+        # (argument, its segment dim, its head dim): the kv_b_proj halves go in split by heads, else whole
+        # (closed over).
+        named = {"q_nope": (q_nope_BTNK, 0, 2), "q_pe": (q_pe_BTNP, 0, 2), "ckv": (ckv_BTR, 0, None),
+                 "k_pe": (k_pe_BTP, 0, None), "table": (c.page_table, 0, None), "lengths": (c.lengths, 0, None),
+                 "row": (c.row_T, 0, None), "pos": (c.pos_T, 0, None), "valid": (c.valid_T, 0, None),
+                 "pages": (c.pages[self.group], 1, None)}
+        if head_axes:
+            named["w"] = (w_kv_b_RNX, None, 1)
+        if scales is not None:
+            named["scales"] = (scales, 1, None)
+
+        def one(first_page, first_row, *xs):
+            a = dict(zip(named, xs))
+            out_TNV = ragged_attention(a["q_nope"][0], a["q_pe"][0], a["ckv"][0], a["k_pe"][0],
+                                       a.get("w", w_kv_b_RNX), scale, a["pages"], a.get("scales"), self.layer,
+                                       _local_table(first_page, a["table"], a["pages"]), a["lengths"],
+                                       a["row"] - first_row, a["pos"], a["valid"], c.decode, c.block, c.pad,
+                                       self.dtype)
             return (out_TNV[None],)
 
-        args = (q_nope_BTNK, q_pe_BTNP, ckv_BTR, k_pe_BTP, c.page_table, c.lengths, c.row_T, c.pos_T, c.valid_T,
-                c.pages[self.group]) + w_arg + (() if scales is None else (scales,))
-        dims = (0,) * 9 + (1,) + (None,) * len(w_arg) + (1,) * (scales is not None)
-        heads = (2, 2) + (None,) * 8 + (1,) * len(w_arg) + (None,) * (scales is not None)
+        args, dims, heads = zip(*named.values())
         (out_BTNV,) = c.each_shard(one, args, dims, (0,), heads, (2,), head_axes)
         return out_BTNV
 
@@ -345,6 +351,7 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
         first_M = row_M == jnp.repeat(row_M[::Q // G], Q // G)  # each tile's first row's blocks
         expanded = not absorbed_is_cheaper(Q, R, K, K + w_uv_NVR.shape[1])  # long tiles: their first row's
         cached = live_M & ~first_M if expanded else live_M  # prefix expanded, once per tile; others absorbed
+        prefixed_M = live_M & (lengths_B[row_M] > 0)  # the blocks whose rows have cached keys
         V = w_uv_NVR.shape[1]
 
         def absorbed():  # the blocks of `cached`, read absorbed; W_UV takes their latent sums to values
@@ -358,12 +365,12 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
                 return absorbed()
             return _merge([_over_cache_expanded(q_nope_TNK, q_pe_TNP[D:], jnp.repeat(first_M, G) & valid_T[D:],
                                                 row_M[::Q // G], Q, *pool, w_uk_NRK, w_uv_NVR, PREFIX_VISIT_KEYS),
-                           _unless_seen_nothing(jnp.any(cached & (lengths_B[row_M] > 0)), absorbed, M * G, N, V)])
+                           _unless_seen_nothing(jnp.any(cached & prefixed_M), absorbed, M * G, N, V)])
 
         # Skipped at run time where no block has cached keys (a step's chunks often start their rows), and the
         # absorbed form where only tiles' first rows have: their products over every chunk token otherwise
         # cost 20-40% of a chunk step on XLA:CPU (bench config, a lone 256, 512 or 2048-token chunk).
-        state = _unless_seen_nothing(jnp.any(live_M & (lengths_B[row_M] > 0)), prefix, M * G, N, V)
+        state = _unless_seen_nothing(jnp.any(prefixed_M), prefix, M * G, N, V)
         m, l, acc = _merge([state, _over_chunk(q_nope_TNK, q_pe_TNP[D:], ckv_TR[D:], k_pe_TP[D:], w_uk_NRK,
                                                 w_uv_NVR, row_M, pos_T[D:], valid_T[D:], G, dt)])
         outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
