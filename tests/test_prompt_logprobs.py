@@ -140,6 +140,34 @@ def test_engine_scores_every_chunk_and_a_cached_prompt(tiny_hf, oracle):
         eng.check(prompt, SamplingParams(max_tokens=1, prompt_logprobs=21))
 
 
+def test_engine_scores_a_prompt_spread_over_the_shards(tiny_hf, oracle):
+    """On a mesh of data-parallel shards a lone prompt's chunks are spread over every shard's segment, so its
+    tokens are not consecutive in the step's flat batch: each position's score is still its own."""
+
+    import k2jax
+    from k2jax.runtime.engine import Engine, Request, SamplingParams
+
+    d, cfg, params = tiny_hf
+    mesh = k2jax.make_mesh("data=2,expert=4")
+    sharded = jax.device_put(params, k2jax.param_shardings(cfg, mesh, warn=False))
+    eng = Engine(K2Model(cfg), sharded, max_batch=8, max_len=128, prefill_chunk=16, page_size=8, mesh=mesh,
+                 kv_tokens=8 * 128, stall_bound=False)
+    spread = []
+    plan = eng.sched.plan_ragged
+    eng.sched.plan_ragged = lambda: (lambda c: spread.append(c is not None and c.spread is not None) or c)(plan())
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, cfg.vocab_size, 45)]
+    want = _want(oracle.run({"load": str(d), "inputs": {"input_ids": [prompt]}})["logits"][0], prompt)
+    events = []
+    with k2jax.use_mesh(mesh):
+        eng.submit(Request(list(prompt), SamplingParams(max_tokens=1, prompt_logprobs=2), events.append))
+        while not (events and events[-1].finish_reason):
+            eng.step()
+    assert any(spread)
+    entries = next(e for e in events if e.prompt_logprobs is not None).prompt_logprobs
+    assert [e["token_id"] for e in entries] == prompt[1:]
+    np.testing.assert_allclose([e["logprob"] for e in entries], want, atol=TOL)
+
+
 # --- over the API ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from k2jax import K2Config, K2Model, init_params
 from k2jax.ops.paged import TRASH_PAGE
 from k2jax.ops.ragged import RaggedCache
 from k2jax.runtime.cache import init_cache
-from k2jax.runtime.layout import Feed, RaggedShape, lay_out, place
+from k2jax.runtime.layout import Feed, RaggedShape, flat_indices, lay_out, place
 from tests.conftest import CONFIGS
 
 TINY = K2Config.from_hf_config(CONFIGS / "tiny.json")
@@ -235,17 +235,13 @@ def _one_device(cache):
                                page_table=get(cache.page_table), lengths=get(cache.lengths), shard_axes=())
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
-@pytest.mark.parametrize("spec", ["data=2,tensor=4", "data=2,expert=2,tensor=2", None],
-                         ids=["data2_tensor4", "data2_expert2_tensor2", "no_mesh"])
-def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, spec, monkeypatch):
-    """A flat batch in one segment per data-parallel shard (each shard's rows, chunks and pool part): on a
-    mesh each shard attends and writes under shard_map; without one (the plain form) the segments run one
-    after another. Both against the plain rectangular call on one device reading the same pool. On a mesh
-    with a tensor axis each chip attends with its own heads: fewer flops per chip than every head on each."""
-    from k2jax.sharding import make_mesh, use_mesh
+def _sharded(params, tokens, kv_dtype, spec):
+    """A cache of ROWS on a mesh of `spec` (None: a 2-shard pool's layout on one device) holding the rows'
+    prefixes, and the plain rectangular call's logits and cache on one device reading the same pool ->
+    (mesh, shard axes, shards, the cache on one device, want_logits, want_cache)."""
+    from k2jax.sharding import make_mesh
 
-    mesh = make_mesh(spec or "data=2,tensor=4")  # without a mesh: a 2-shard pool's layout, on one device
+    mesh = make_mesh(spec or "data=2,tensor=4")
     B = len(ROWS)
     sharded = init_cache(TINY, B, MAX_LEN, kv_dtype, page_size=PAGE, mesh=mesh)
     shards = int(np.prod([mesh.shape[a] for a in sharded.shard_axes]))
@@ -257,24 +253,66 @@ def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv
     _, cache = jax.jit(lambda p, t, m, c: K2Model(TINY).apply({"params": p}, t, None, m, c))(
         params, jnp.asarray(tokens[:, :T]), jnp.asarray(np.arange(T)[None, :] < held[:, None]), cache)
     want_logits, want_cache = _plain(params, tokens, cache)
-    feeds = _feeds(tokens, cache)
-    per = B // shards
-    blocks = max(sum(-(-n // 4) for b, (_, n) in enumerate(ROWS) if b // per == s and n > 1) for s in range(shards))
-    shape = RaggedShape(2, blocks + 1, 4, B, MAX_LEN // PAGE, shards=shards)
-    meta = lay_out(shape, feeds)
-    assert set(np.asarray(meta["row"])[:shape.segment]) <= set(range(per))  # segment 0: shard 0's rows only
-    Ts = shape.segment
+    return mesh, sharded.shard_axes, shards, cache, want_logits, want_cache
+
+
+def _sharded_call_args(params, cache, mesh, axes, shards, shape, meta, on_mesh):
+    """The ragged step's arguments (params, tokens [S, Ts], valid [S, Ts], the RaggedCache, at [S, B / S]), the
+    pool placed on the mesh when on_mesh."""
+    B = shape.rows
+    per, Ts = B // shards, shape.segment
     at = (meta["last"] - np.arange(B) // per * Ts).reshape(shards, per)
-    if spec is not None:
-        place_ = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, sharded.shard_axes))
+    if on_mesh:
+        place_ = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, axes))
         pool = jax.device_put((cache.pages, cache.scales), place_)
     else:
         pool = (cache.pages, cache.scales)
     rc = RaggedCache(*pool, jnp.asarray(meta["table"]), jnp.asarray(meta["lengths"]), jnp.asarray(meta["row"]),
                      jnp.asarray(meta["pos"]), jnp.asarray(meta["valid"]), TINY.qk_rope_head_dim, shape.decode,
-                     shape.block, cache.pad, shards, sharded.shard_axes if spec else ())
-    args = (params, jnp.asarray(meta["tokens"]).reshape(shards, Ts), jnp.asarray(meta["valid"]).reshape(shards, Ts),
+                     shape.block, cache.pad, shards, axes if on_mesh else (), shape.spread_tokens)
+    return (params, jnp.asarray(meta["tokens"]).reshape(shards, Ts), jnp.asarray(meta["valid"]).reshape(shards, Ts),
             rc, jnp.asarray(at))
+
+
+def _check_sharded(logits, got, want_logits, want_cache, shards, kv_dtype):
+    """Each fed row's logits and every page but the shards' trash pages, against the plain call's."""
+    B = len(ROWS)
+    logits = np.asarray(logits).reshape(B, -1)
+    tol = 1e-5 if kv_dtype == "float32" else 2e-4
+    for b, (_, n) in enumerate(ROWS):
+        if n:
+            np.testing.assert_allclose(logits[b], np.asarray(want_logits[b, n - 1]), atol=tol, rtol=tol,
+                                       err_msg=f"row {b}")
+    np.testing.assert_array_equal(np.asarray(got.lengths), [h + n for h, n in ROWS])
+    A = next(iter(want_cache.pages.values())).shape[1]
+    trash = np.arange(A) % (A // shards) == 0  # each shard's first page: its trash page (padding lands there)
+    for g in want_cache.pages:
+        got_g, want_g = np.asarray(got.pages[g], np.float32), np.asarray(want_cache.pages[g], np.float32)
+        np.testing.assert_allclose(got_g[:, ~trash], want_g[:, ~trash], atol=tol, rtol=tol, err_msg=g)
+        if kv_dtype == "float8":
+            np.testing.assert_allclose(np.asarray(got.scales[g])[:, ~trash],
+                                       np.asarray(want_cache.scales[g])[:, ~trash], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float8"])
+@pytest.mark.parametrize("spec", ["data=2,tensor=4", "data=2,expert=2,tensor=2", None],
+                         ids=["data2_tensor4", "data2_expert2_tensor2", "no_mesh"])
+def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv_dtype, spec, monkeypatch):
+    """A flat batch in one segment per data-parallel shard (each shard's rows, chunks and pool part): on a
+    mesh each shard attends and writes under shard_map; without one (the plain form) the segments run one
+    after another. Both against the plain rectangular call on one device reading the same pool. On a mesh
+    with a tensor axis each chip attends with its own heads: fewer flops per chip than every head on each."""
+    from k2jax.sharding import use_mesh
+
+    mesh, axes, shards, cache, want_logits, want_cache = _sharded(params, tokens, kv_dtype, spec)
+    feeds = _feeds(tokens, cache)
+    B = len(ROWS)
+    per = B // shards
+    blocks = max(sum(-(-n // 4) for b, (_, n) in enumerate(ROWS) if b // per == s and n > 1) for s in range(shards))
+    shape = RaggedShape(2, blocks + 1, 4, B, MAX_LEN // PAGE, shards=shards)
+    meta = lay_out(shape, feeds)
+    assert set(np.asarray(meta["row"])[:shape.segment]) <= set(range(per))  # segment 0: shard 0's rows only
+    args = _sharded_call_args(params, cache, mesh, axes, shards, shape, meta, spec is not None)
     with use_mesh(mesh) if spec else contextlib.nullcontext():
         if spec is not None and kv_dtype == "float32":
             def flops():  # per chip, of a fresh trace
@@ -287,21 +325,36 @@ def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv
                 whole = flops()
             assert split < 0.95 * whole, (split, whole)
         logits, got = _RAGGED(*args)
-    logits = np.asarray(logits).reshape(B, -1)
-    tol = 1e-5 if kv_dtype == "float32" else 2e-4
-    for b, (_, n) in enumerate(ROWS):
-        if n:
-            np.testing.assert_allclose(logits[b], np.asarray(want_logits[b, n - 1]), atol=tol, rtol=tol,
-                                       err_msg=f"row {b}")
-    np.testing.assert_array_equal(np.asarray(got.lengths), [h + n for h, n in ROWS])
-    A = next(iter(cache.pages.values())).shape[1]
-    trash = np.arange(A) % (A // shards) == 0  # each shard's first page: its trash page (padding lands there)
-    for g in want_cache.pages:
-        got_g, want_g = np.asarray(got.pages[g], np.float32), np.asarray(want_cache.pages[g], np.float32)
-        np.testing.assert_allclose(got_g[:, ~trash], want_g[:, ~trash], atol=tol, rtol=tol)
-        if kv_dtype == "float8":
-            np.testing.assert_allclose(np.asarray(got.scales[g])[:, ~trash],
-                                       np.asarray(want_cache.scales[g])[:, ~trash], rtol=1e-6)
+    _check_sharded(logits, got, want_logits, want_cache, shards, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype,spec,spread", [
+    ("float32", "data=2,tensor=4", 5), ("float8", "data=2,expert=2,tensor=2", 0), ("float32", None, 2)],
+    ids=["data2_tensor4_row5", "data2_expert2_tensor2_row0_fp8", "no_mesh_row2"])
+def test_a_spread_chunk_equals_the_plain_call(params, tokens, kv_dtype, spec, spread):
+    """One row's chunk spread over every segment (k2jax.runtime.layout), beside the other rows' decodes and
+    chunks in their own segments: a first chunk on shard 0 (row 0), a later one on shard 1 reading 16 cached
+    tokens of its shard's pages (row 5), one reading 21 across a page edge (row 2). Its pieces see its
+    cached pages from whichever shard holds them and each other; the shard holding its pages writes them.
+    Against the plain rectangular call, row by row and page by page."""
+    from k2jax.sharding import use_mesh
+
+    mesh, axes, shards, cache, want_logits, want_cache = _sharded(params, tokens, kv_dtype, spec)
+    feeds = _feeds(tokens, cache)
+    feeds[spread] = dataclasses.replace(feeds[spread], spread=True)
+    B, per = len(ROWS), len(ROWS) // shards
+    blocks = max(sum(-(-n // 4) for b, (_, n) in enumerate(ROWS) if b // per == s and n > 1 and b != spread)
+                 for s in range(shards))
+    pieces = -(-ROWS[spread][1] // (shards * 4))  # blocks of 4 in each segment's spread region
+    shape = RaggedShape(2, blocks, 4, B, MAX_LEN // PAGE, shards=shards, spread=pieces)
+    meta = lay_out(shape, feeds)
+    segment_of = np.flatnonzero((meta["row"] == spread) & meta["valid"]) // shape.segment
+    assert len(set(segment_of)) == shards  # its tokens in every segment
+    assert meta["last"][spread] // shape.segment == spread // per  # its last one in its own shard's
+    args = _sharded_call_args(params, cache, mesh, axes, shards, shape, meta, spec is not None)
+    with use_mesh(mesh) if spec else contextlib.nullcontext():
+        logits, got = _RAGGED(*args)
+    _check_sharded(logits, got, want_logits, want_cache, shards, kv_dtype)
 
 
 def test_sharded_layout_keeps_each_segment_to_its_shard():
@@ -318,6 +371,32 @@ def test_sharded_layout_keeps_each_segment_to_its_shard():
         lay_out(shape, feeds | {3: Feed((1,) * 9, 0, (9, 10))})
     with pytest.raises(ValueError, match="do not split over 3 shards"):
         RaggedShape(2, 2, 4, 4, 3, shards=3)
+
+
+def test_a_spread_rows_pieces_end_in_its_own_segment():
+    """A spread row's chunk in pieces of each segment's spread region (its last tokens), in order, the last
+    in its own shard's segment; every spread-region token is the spread row's, padding too."""
+    shape = RaggedShape(2, 1, 4, 4, 3, shards=2, spread=2)
+    feeds = {0: Feed((5,), 3, (1, 2)), 1: Feed(tuple(range(10, 21)), 4, (9, 10), spread=True),
+             2: Feed((9,), 1, (8,))}
+    assert shape.segment == 14 and shape.spread_tokens == 8
+    m = lay_out(shape, feeds)
+    # row 1 is shard 0's: its last piece (tokens 8-10) in segment 0, the first (0-7) in segment 1
+    np.testing.assert_array_equal(m["tokens"][6:14], [18, 19, 20, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(m["tokens"][20:28], range(10, 18))
+    np.testing.assert_array_equal(m["pos"][20:28], range(4, 12))
+    np.testing.assert_array_equal(m["pos"][6:9], [12, 13, 14])
+    assert (m["row"][6:14] == 1).all() and (m["row"][20:28] == 1).all()
+    assert m["valid"][6:9].all() and not m["valid"][9:14].any() and m["valid"][20:28].all()
+    assert m["last"][1] == 8 and m["count"][1] == 11 and m["lengths"][1] == 4
+    assert m["table"][1].tolist() == [9, 10, 0]
+    assert place(shape, feeds) == {0: ("decode", 0), 1: ("spread", 20), 2: ("decode", 14)}
+    flat = flat_indices(shape, feeds)
+    assert flat[1].tolist() == list(range(20, 28)) + [6, 7, 8] and flat[2].tolist() == [14]
+    with pytest.raises(ValueError, match="row 1's 17 tokens do not fit the spread regions: 2 of 8 tokens"):
+        lay_out(shape, feeds | {1: Feed((1,) * 17, 0, (9, 10, 11), spread=True)})
+    with pytest.raises(ValueError, match="both spread"):
+        lay_out(shape, feeds | {0: Feed((1,), 0, (1,), spread=True)})
 
 
 @pytest.mark.parametrize("fmt", ["plain", "fp8"])

@@ -82,9 +82,36 @@ def test_each_shard_fills_its_own_segment_and_the_fullest_sizes_the_step():
     assert [(s, n) for s, n in call.rows] == [(a, 30), (None, 0), (b, 9), (None, 0)]
     assert call.shape == RaggedShape(decode=2, blocks=8, block=4, rows=4, table_pages=8, shards=2)
     _ran(sched, call)
-    call = sched.plan_ragged()  # a and b decode; c's 6 tokens beside them, in the one chunk region (32)
+    call = sched.plan_ragged()  # a and b decode; c's 6 tokens beside them, the step's one chunk: spread
     assert [(s, n) for s, n in call.rows] == [(a, 1), (c, 6), (b, 1), (None, 0)]
-    assert call.shape == RaggedShape(decode=2, blocks=8, block=4, rows=4, table_pages=8, shards=2)
+    assert call.spread == 1
+    assert call.shape == RaggedShape(decode=2, blocks=0, block=4, rows=4, table_pages=8, shards=2, spread=4)
+
+
+def test_a_lone_chunk_is_spread_over_the_shards_and_several_take_regions():
+    """With data-parallel shards a step's only chunk is spread over every segment, at the smallest spread
+    size that holds it, up to idle_chunk; chunks of several shards side by side take at most prefill_chunk
+    tokens each (the largest chunk region)."""
+    pool = PagePool(4 * 33, 4, PAGE, False)
+    sched = Scheduler(8, pool, max_len=256, prefill_chunk=64, idle_chunk=256, ragged_block=4)
+    assert sched.region_sizes == [64] and sched.spread_sizes == [4, 8, 16]  # 64, 128, 256 tokens over 4
+    assert len(set(sched.shapes())) == 2 + 1 + 3  # decode sizes 1, 2; one region; three spread sizes
+    b, c = _seq(100, 300), _seq(90, 500)
+    for s in (b, c):
+        sched.add(s)
+    sched.admit()
+    assert b.slot // 2 != c.slot // 2  # two shards
+    call = sched.plan_ragged()  # nothing decodes, but two shards' chunks: each cut to prefill_chunk, no spread
+    assert call.spread is None and call.rows[b.slot] == (b, 64) and call.rows[c.slot] == (c, 64)
+    assert call.shape == RaggedShape(decode=2, blocks=16, block=4, rows=8, table_pages=32, shards=4)
+    sched.finish(b)
+    sched.finish(c)
+    a = _seq(200)
+    sched.add(a)
+    sched.admit()
+    call = sched.plan_ragged()  # a lone prompt takes idle_chunk, spread 4 ways
+    assert call.rows[a.slot] == (a, 200) and call.spread == a.slot
+    assert call.shape == RaggedShape(decode=2, blocks=0, block=4, rows=8, table_pages=32, shards=4, spread=16)
 
 
 def test_nothing_to_run_is_no_step():

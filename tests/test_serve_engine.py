@@ -374,15 +374,25 @@ def test_float8_engine_halves_the_pool_and_serves(model_params, solo):
 @pytest.mark.parametrize("spec", ["expert=8", "data=2,expert=4", "expert=4,tensor=2"])
 def test_sharded_engine_equals_one_device(model_params, solo, spec, ragged):
     """The server's steps with slots and pages split over the batch's mesh axes (and a lone request
-    replicated; a ragged step: one segment per shard): the same outputs as one device."""
+    replicated; a ragged step: one segment per shard, a step's lone chunk spread over them all): the same
+    outputs as one device."""
     model, params = model_params
     mesh = k2jax.make_mesh(spec)
     sharded = jax.device_put(params, k2jax.param_shardings(CFG, mesh, warn=False))
     eng = Engine(model, sharded, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE, kv_tokens=8 * 256,
                  mesh=mesh, ragged=ragged)
     assert eng.max_batch == {"expert=8": 8, "data=2,expert=4": 8, "expert=4,tensor=2": 4}[spec]  # whole shards
+    spread = []  # the rows whose lone chunk a step spread over the shards
     if ragged:
         assert {s.shards for s in eng.sched.shapes()} == {eng.pool.shards}
+        plan = eng.sched.plan_ragged
+
+        def spy():
+            call = plan()
+            spread.append(None if call is None else call.spread)
+            return call
+
+        eng.sched.plan_ragged = spy
     prompts = _prompts(6, (5, 21, 9, 30, 2, 12, 7, 16, 3))
     with k2jax.use_mesh(mesh):
         got, _ = _run(eng, prompts)
@@ -390,6 +400,7 @@ def test_sharded_engine_equals_one_device(model_params, solo, spec, ragged):
     for i, p in enumerate(prompts):
         assert got[i] == solo(p), i
     assert lone[0] == solo(prompts[0])
+    assert not ragged or any(b is not None for b in spread)  # a lone prompt's chunk, spread
 
 
 @pytest.mark.parametrize("flags", [dict(max_batch=8, max_len=4096, prefill_chunk=512),

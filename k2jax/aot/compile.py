@@ -38,7 +38,7 @@ from k2jax.nn.model import K2Model, abstract_params
 from k2jax.placement import param_shardings
 from k2jax.plan import Plan
 
-PROGRAMS = ("decode", "prefill", "chunk", "decode1", "burst", "ragged", "ragged_chunk")
+PROGRAMS = ("decode", "prefill", "chunk", "decode1", "burst", "ragged", "ragged_chunk", "ragged_spread")
 DEFAULT_PROGRAMS = ("decode", "prefill", "chunk")
 PROGRAM_HELP = {
     "decode": "one token for every row of the batch, reading the pages of max_len tokens",
@@ -50,6 +50,8 @@ PROGRAM_HELP = {
               "reads as many cached tokens as the rows hold, up to max_len)",
     "ragged_chunk": "the ragged step of serve with every row decoding and a prompt chunk of --chunk tokens "
                     "in each data-parallel shard's segment",
+    "ragged_spread": "the ragged step of serve with every row decoding and one row's prompt chunk of --chunk "
+                     "tokens spread over every data-parallel shard's segment (a lone long prompt)",
 }
 _HLO_DTYPE = {"bfloat16": "bf16", "float32": "f32", "float16": "f16", "int32": "s32", "uint32": "u32",
               "int8": "s8", "uint8": "u8", "bool": "pred", "float8_e4m3fn": "f8e4m3fn", "int64": "s64",
@@ -71,10 +73,13 @@ def step_shapes(batch: int, max_len: int, page_size: int, prefill: int = 8192, c
     W = -(-max_len // page_size)
     out = {}
     for name in programs:
-        if name in ("ragged", "ragged_chunk"):
+        if name in ("ragged", "ragged_chunk", "ragged_spread"):
             G = DEFAULT_BLOCK
-            blocks = -(-min(chunk, max_len) // G) if name == "ragged_chunk" else 0
-            out[name] = RaggedShape(batch // shards, blocks, G, batch, W, shards=shards)
+            blocks = -(-min(chunk, max_len) // G) if name != "ragged" else 0
+            if name == "ragged_spread":
+                out[name] = RaggedShape(batch // shards, 0, G, batch, W, shards=shards, spread=-(-blocks // shards))
+            else:
+                out[name] = RaggedShape(batch // shards, blocks, G, batch, W, shards=shards)
         elif name == "decode":
             out[name] = StepShape(batch, 1, W, W)
         elif name == "decode1":

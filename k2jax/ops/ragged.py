@@ -30,6 +30,13 @@ trash page first), the flat batch has S segments, one per shard (k2jax.runtime.l
 it as tokens [S, T / S]: each shard attends over its own segment, rows and part of the pool under shard_map
 (`RaggedCache.shards`), and reads or writes no other chip's pages. Without such a mesh the segments run one
 after another: the plain form, equal by construction.
+
+A step may also spread one row's chunk over every segment (k2jax.runtime.layout: each segment's last
+`spread` tokens hold a piece of it), so a lone long prompt runs on every shard rather than on one. Those
+tokens attend outside the per-shard form, written over the whole flat batch for the compiler to partition
+(`spread_attention`): the row's cached pages are brought to every shard a visit at a time (read by the
+shard that holds them, summed over the shards: `RaggedCache.row_keys`), its new latents from every piece,
+and the shard holding its pages writes them all.
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ CHUNK_TILE = 256  # new tokens per query and key tile in the chunk region (whole
 PREFIX_TILE = 512
 PREFIX_VISIT_KEYS = 128
 UNROLL_TILES = 4  # up to this many tiles, each query tile takes its keys in one product (no loop)
+# A spread row's cached keys per visit: each visit sums its pages over the shards (one collective a layer and
+# visit), so visits are few and large; the scores they make are a piece's few queries' each.
+SPREAD_VISIT_KEYS = 1024
 
 
 @jax.tree_util.register_dataclass
@@ -70,8 +80,9 @@ class RaggedCache:
     pool) with one ragged step's metadata: page_table [B, W] int32 (global page ids), lengths [B] int32 (tokens
     each row holds before the step), and per flat token row_T [T] int32 (global rows), pos_T [T] int32 and
     valid_T [T] bool (see the module docstring); decode (D) and block (G) static, each segment's; shards (S)
-    static: the segments, split over shard_axes on a mesh whose data-parallel shards split the pool. The model
-    takes it in place of a PagedCache (k2jax.nn.model.K2Model, with tokens [S, T / S])."""
+    static: the segments, split over shard_axes on a mesh whose data-parallel shards split the pool; spread
+    (static): the tokens at the end of each segment that hold pieces of one row's chunk, the spread row (their
+    row_T). The model takes it in place of a PagedCache (k2jax.nn.model.K2Model, with tokens [S, T / S])."""
 
     pages: dict
     scales: dict
@@ -86,6 +97,7 @@ class RaggedCache:
     pad: int = dataclasses.field(default=0, metadata=dict(static=True))
     shards: int = dataclasses.field(default=1, metadata=dict(static=True))
     shard_axes: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    spread: int = dataclasses.field(default=0, metadata=dict(static=True))  # each segment's spread tokens
     # The groups' kv_b_proj stacks {group: [L, R, N, K + V]}, as the model hands them for a step
     # (K2Model.forward): a plain stack's layer is read in place, each half by its own product, where a
     # layer's slice handed in would be copied out of the stack (on a TPU, 2 x its 16 MiB a layer for Kimi K2).
@@ -131,23 +143,74 @@ class RaggedCache:
                                                   for a, d in zip(args, dims))) for s in range(S)]
         return tuple(jnp.concatenate(xs, d) for xs, d in zip(zip(*outs), out_dims))
 
+    def regions(self, x_ST):
+        """x [S, Ts, ...] (per token of each segment) -> (the segments' own tokens [S, Ts - X, ...], their spread
+        tokens [S, X, ...]) (X: self.spread)."""
+        Ts = x_ST.shape[1]
+        return x_ST[:, :Ts - self.spread], x_ST[:, Ts - self.spread:]
+
+    def flat_regions(self, x_T):
+        """regions() of a flat per-token array [T] -> [S * (Ts - X)], [S * X]."""
+        own, spread = self.regions(x_T.reshape(self.shards, -1))
+        return own.reshape(-1), spread.reshape(-1)
+
+    def spread_row(self):
+        """The spread row's id (a traced int32): every spread token's row."""
+        return self.flat_regions(self.row_T)[1][0]
+
+    def row_keys(self, group: str, layer, ids_v, C: int, R: int, dt):
+        """Pages ids_v [v] (global ids, of one row) of layer `layer` -> [v * Y, C] in dt on every chip: on a mesh
+        whose shards split the pool, each shard reads the ones it holds (zeros for the others) and the shards'
+        reads are summed (one holds each page: the sum is that page, exactly)."""
+        pages, scales = self.pages[group], self.scales.get(group)
+        axes = split_axes(self.shard_axes, self.shards)
+
+        def read(first_page, ids_v, pages, scales):
+            A = pages.shape[1]
+            mine = (ids_v >= first_page) & (ids_v < first_page + A)
+            x_vYC = gather_latents(pages, scales, layer, jnp.where(mine, ids_v - first_page, TRASH_PAGE), C, R, dt)
+            return jnp.where(mine[:, None, None], x_vYC, 0).reshape(-1, C)
+
+        if not axes:
+            return read(0, ids_v, pages, scales)
+
+        def one(shard, ids_v, pages, *scales):
+            return (jax.lax.psum(read(shard * pages.shape[1], ids_v, pages, *(scales or (None,))), axes),)
+
+        held = () if scales is None else (scales,)
+        (x_ZC,) = per_shard(one, (ids_v, pages) + held, (None, 1) + (1,) * len(held), (None,), axes)
+        return x_ZC
+
     def append(self, new: dict, count_B=None) -> "RaggedCache":
         """The cache with every valid token's latents written at its row's page and slot for pos_T, and each
         row's length advanced by its valid tokens (count_B is not used: the metadata says). new: {group: {"ckv":
         [L, S, T / S, R], "k_pe": [L, S, T / S, P]}}. Padding goes to the trash page. Donate to write in
         place."""
         pages, scales = dict(self.pages), dict(self.scales)
-        meta = (self.page_table, self.row_T, self.pos_T, self.valid_T)
+        valid_T = self.valid_T
+        if self.spread:  # the spread tokens are written below, by the shard that holds the row's pages
+            own_ST, spread_SX = self.regions(valid_T.reshape(self.shards, -1))
+            valid_T = jnp.concatenate([own_ST, jnp.zeros_like(spread_SX)], 1).reshape(-1)
+            row = self.spread_row()
+            spread_meta = (self.page_table[row][None], jnp.zeros_like(self.flat_regions(self.row_T)[1]),
+                           self.flat_regions(self.pos_T)[1], self.flat_regions(self.valid_T)[1])
+        meta = (self.page_table, self.row_T, self.pos_T, valid_T)
         for g, kv in new.items():
             x_LSTC = jnp.concatenate([kv["ckv"], kv["k_pe"].astype(kv["ckv"].dtype)], -1)
             R = kv["ckv"].shape[-1]
-            if self.scales:
-                pages[g], scales[g] = self.each_shard(
-                    functools.partial(_write, R=R, pad=self.pad), meta + (x_LSTC, pages[g], scales[g]),
-                    (0, 0, 0, 0, 1, 1, 1), (1, 1))
+            held = (scales[g],) if self.scales else ()
+            out = self.each_shard(functools.partial(_write, R=R, pad=self.pad), meta + (x_LSTC, pages[g]) + held,
+                                  (0, 0, 0, 0, 1, 1) + (1,) * len(held), (1,) * (1 + len(held)))
+            if self.spread:  # every piece, on every shard (written where the row's pages are, else trashed)
+                L, C = x_LSTC.shape[0], x_LSTC.shape[-1]
+                x_L1ZC = x_LSTC[:, :, x_LSTC.shape[2] - self.spread:].reshape(L, 1, -1, C)
+                out = self.each_shard(lambda first_page, _, *xs: _write(first_page, 0, *xs, R=R, pad=self.pad),
+                                      spread_meta + (x_L1ZC,) + out, (None,) * 5 + (1,) * len(out),
+                                      (1,) * len(out))
+            if held:
+                pages[g], scales[g] = out
             else:
-                (pages[g],) = self.each_shard(functools.partial(_write, R=R, pad=self.pad),
-                                              meta + (x_LSTC, pages[g]), (0, 0, 0, 0, 1, 1), (1,))
+                (pages[g],) = out
         added_B = jnp.zeros_like(self.lengths).at[self.row_T].add(self.valid_T.astype(self.lengths.dtype))
         return dataclasses.replace(self, pages=pages, scales=scales, lengths=self.lengths + added_B)
 
@@ -282,10 +345,13 @@ class RaggedContext:
 
         # (argument, its segment dim, its head dim): the kv_b_proj halves go in split by heads, else whole
         # (closed over).
-        named = {"q_nope": (q_nope_BTNK, 0, 2), "q_pe": (q_pe_BTNP, 0, 2), "ckv": (ckv_BTR, 0, None),
-                 "k_pe": (k_pe_BTP, 0, None), "table": (c.page_table, 0, None), "lengths": (c.lengths, 0, None),
-                 "row": (c.row_T, 0, None), "pos": (c.pos_T, 0, None), "valid": (c.valid_T, 0, None),
-                 "pages": (c.pages[self.group], 1, None)}
+        # The segments' own tokens (a spread row's attend below).
+        own, flat = c.regions, c.flat_regions
+        named = {"q_nope": (own(q_nope_BTNK)[0], 0, 2), "q_pe": (own(q_pe_BTNP)[0], 0, 2),
+                 "ckv": (own(ckv_BTR)[0], 0, None), "k_pe": (own(k_pe_BTP)[0], 0, None),
+                 "table": (c.page_table, 0, None), "lengths": (c.lengths, 0, None),
+                 "row": (flat(c.row_T)[0], 0, None), "pos": (flat(c.pos_T)[0], 0, None),
+                 "valid": (flat(c.valid_T)[0], 0, None), "pages": (c.pages[self.group], 1, None)}
         if head_axes:
             named["w"] = (w_kv_b_RNX, None, 1)
         if scales is not None:
@@ -301,8 +367,21 @@ class RaggedContext:
             return (out_TNV[None],)
 
         args, dims, heads = zip(*named.values())
-        (out_BTNV,) = c.each_shard(one, args, dims, (0,), heads, (2,), head_axes)
-        return out_BTNV
+        parts = []
+        if c.spread < q_nope_BTNK.shape[1]:  # the segments' own tokens, each segment on its shard
+            parts += c.each_shard(one, args, dims, (0,), heads, (2,), head_axes)
+        if not c.spread:
+            return parts[0]
+        row = c.spread_row()
+        Y = c.pages[self.group].shape[2]
+        R = ckv_BTR.shape[-1]
+        C = R + k_pe_BTP.shape[-1]
+        spread_BTNV = spread_attention(
+            own(q_nope_BTNK)[1], own(q_pe_BTNP)[1], own(ckv_BTR)[1], own(k_pe_BTP)[1], w_kv_b_RNX, scale,
+            lambda ids_v: c.row_keys(self.group, self.layer, ids_v, C, R, self.dtype), c.page_table[row],
+            c.lengths[row], own(c.pos_T.reshape(c.shards, -1))[1], own(c.valid_T.reshape(c.shards, -1))[1], Y,
+            self.dtype)
+        return jnp.concatenate(parts + [spread_BTNV], 1)
 
 
 def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, pages_LAYC, scales_LA2Y, layer,
@@ -375,6 +454,48 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
                                                 w_uv_NVR, row_M, pos_T[D:], valid_T[D:], G, dt)])
         outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
     return jnp.concatenate(outs).astype(dt)
+
+
+def spread_attention(q_nope_SXNK, q_pe_SXNP, ckv_SXR, k_pe_SXP, w_kv_b_RNX, scale, row_keys, table_W, length,
+                     pos_SX, valid_SX, page_size: int, dtype, visit_keys: int = SPREAD_VISIT_KEYS):
+    """The spread row's tokens' attention (X tokens in each of S segments, pieces of one row's chunk: see the
+    module docstring) over the row's cached keys and over its new tokens up to each one's position, absorbed
+    (a piece is a few tokens a segment: 2R + P per query, key and head) -> [S, X, N, V] in dtype.
+
+    Written over the whole flat batch: on a mesh the compiler splits the queries like the segments, and
+    every shard needs every key. row_keys(ids_v) -> [v * Y, C] gives the row's cached pages ids_v on every
+    shard (RaggedCache.row_keys), visit_keys of them at a time for as many visits as its `length` (the tokens
+    its pages hold) needs; its new keys are all the pieces' latents. table_W: its pages (global ids); pos,
+    valid: the spread tokens' (a padding token's output is not used)."""
+    S, X, N, K = q_nope_SXNK.shape
+    R, P = ckv_SXR.shape[-1], k_pe_SXP.shape[-1]
+    C = R + P
+    dt = jnp.dtype(dtype)
+    f32 = jnp.float32
+    q_lat_TNR = (_absorb_uk(q_nope_SXNK.reshape(S * X, N, K), w_kv_b_RNX, K, dt) * scale).astype(dt)
+    q_pe_TNP = (q_pe_SXNP.reshape(S * X, N, P).astype(f32) * scale).astype(dt)
+    q_1TNC = jnp.concatenate([q_lat_TNR, q_pe_TNP], -1)[None]
+    v = max(1, visit_keys // page_size)
+    W = table_W.shape[0]
+    table_W = jnp.pad(table_W, [(0, -W % v)], constant_values=TRASH_PAGE)
+    Z = v * page_size
+
+    def visit(i, state):  # the row's cached keys [i * Z, (i + 1) * Z)
+        x_ZC = row_keys(jax.lax.dynamic_slice_in_dim(table_W, i * v, v))
+        s_1TNZ = jnp.einsum("gTNC,ZC->gTNZ", q_1TNC, x_ZC, preferred_element_type=f32)
+        see_Z = i * Z + jnp.arange(Z) < length
+        return _update(state, s_1TNZ, see_Z[None, None, None, :], x_ZC[None], dt)
+
+    init = (jnp.full((1, S * X, N), _NEG_INF, f32), jnp.zeros((1, S * X, N), f32), jnp.zeros((1, S * X, N, C), f32))
+    state = jax.lax.fori_loop(0, (length + Z - 1) // Z, visit, init)
+    # Its new tokens: every piece's latents, each query seeing those up to its position.
+    x_1TC = jnp.concatenate([ckv_SXR, k_pe_SXP.astype(ckv_SXR.dtype)], -1).reshape(1, S * X, C).astype(dt)
+    pos_T, valid_T = pos_SX.reshape(-1), valid_SX.reshape(-1)
+    s_1TNT = jnp.einsum("gTNC,gZC->gTNZ", q_1TNC, x_1TC, preferred_element_type=f32)
+    see_TT = valid_T[None, :] & (pos_T[None, :] <= pos_T[:, None]) & valid_T[:, None]
+    _, l, acc = (x[0] for x in _update(state, s_1TNT, see_TT[None, :, None, :], x_1TC, dt))
+    o_lat_TNR = (acc[..., :R] / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)
+    return _apply_uv(o_lat_TNR, w_kv_b_RNX, K, dt).astype(dt).reshape(S, X, N, -1)
 
 
 def _unless_seen_nothing(any_keys, fn, Tc: int, N: int, V: int):

@@ -211,9 +211,11 @@ class Engine:
             spec = (f", and {len(s.verify_sizes)} verifying sizes up to {s.verify_sizes[-1]} tokens (speculative "
                     f"decoding)" if s.verify_sizes else "")
             each = f", each in one segment per data-parallel shard ({s.shards})" if s.shards > 1 else ""
+            spread = (f", and {len(s.spread_sizes)} sizes of a lone chunk spread over the shards"
+                      if s.spread_sizes else "")
             return (f"ragged steps: {len(s.decode_sizes)} decode-only sizes up to the {s.per_shard} slots of a "
                     f"shard and {len(s.region_sizes)} prompt-chunk sizes up to {s.region_sizes[-1]} tokens"
-                    f"{spec}{each}")
+                    f"{spec}{each}{spread}")
         return (f"rectangular steps: decodes over {len(s.row_buckets)} row buckets x {len(s.read_buckets) - 1} cache "
                 f"reads, first chunks of {len(s.chunk_sizes)} sizes, and later chunks of {len(s.later_sizes)} sizes x "
                 f"{len(s.read_buckets) - 1} cache reads")
@@ -242,7 +244,8 @@ class Engine:
             else:
                 self.sched.step_s = self.time_steps(timed)
             if self.proposer is not None:  # what a verifying step costs against a plain decode
-                self.spec_step_s = self.time_steps([sh for sh in self.sched.shapes() if sh.blocks == 0])
+                self.spec_step_s = self.time_steps([sh for sh in self.sched.shapes()
+                                                    if sh.blocks == 0 and not sh.spread])
         return time.perf_counter() - t0
 
     def time_regions(self, shapes) -> dict:
@@ -459,10 +462,11 @@ class Engine:
                 continue
             lo, hi = max(seq.cached, len(seq.req.prompt_lp)), min(seq.cached + n, seq.prompt_len - 1)
             if hi > lo:
-                # (row, offset): a rectangular step's targets are [B, T]; a ragged one's are flat [T]
-                at = (i, 0) if isinstance(call, Call) else (None, call.starts[i])
+                # (row, 0): a rectangular step's targets are [B, T]; (None, the row's flat indices): a ragged
+                # one's are flat [T]
+                at = (i, 0) if isinstance(call, Call) else (None, call.flat[i])
                 if at[0] is None:
-                    batch.targets[at[1] + lo - seq.cached:at[1] + hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
+                    batch.targets[at[1][lo - seq.cached:hi - seq.cached]] = seq.tokens[lo + 1:hi + 1]
                 else:
                     batch.targets[i, lo - seq.cached:hi - seq.cached] = seq.tokens[lo + 1:hi + 1]
                 scored.append((at, seq.req, lo, hi, seq.cached))
@@ -476,7 +480,7 @@ class Engine:
         for (i, offset), r, lo, hi, start in scored:
             k = r.params.prompt_logprobs
             for p in range(lo, hi):
-                t = (p - start + offset,) if i is None else (i, p - start)
+                t = (offset[p - start],) if i is None else (i, p - start)
                 r.prompt_lp.append({"token_id": int(r.prompt[p + 1]), "logprob": float(got["logprob"][t]),
                                     "rank": int(got["rank"][t]),
                                     "top": [[int(a), float(b)] for a, b in zip(got["top_ids"][t][:k],
@@ -604,6 +608,9 @@ def describe(shape, page_size: int) -> str:
         if shape.verify:
             return f"ragged step: verifying up to {shape.decode} decoding and drafted tokens"
         each = f" in each of {shape.shards} data-parallel shards" if shape.shards > 1 else ""
+        if shape.spread:
+            return (f"ragged step: {shape.decode} decoding rows{each} and a lone prompt chunk of up to "
+                    f"{shape.shards * shape.spread_tokens} tokens spread over them")
         if shape.blocks == 0:
             return f"ragged step: {shape.decode} decoding rows{each}"
         return (f"ragged step: {shape.decode} decoding rows and {shape.blocks * shape.block} prompt-chunk tokens "

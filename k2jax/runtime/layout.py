@@ -14,6 +14,13 @@ On a mesh whose data-parallel shards split the slots and the pool (k2jax.ops.pag
 `shards` segments of the flat batch, one per shard, each laid out as above over that shard's rows (rows
 [s * B/S, (s + 1) * B/S)) with `decode` and `blocks` per segment: segment s is what shard s attends over, its
 own rows and its own part of the pool. The metadata stays global (rows, flat indices).
+
+A lone long prompt would fill one segment while the others idle at the same static size (every shard
+computes its segment's tokens, padding or not). A shape with `spread` blocks instead gives each segment a
+spread region after its chunk blocks, and one row's chunk (its Feed marked `spread`) is cut into pieces of
+that region's size, one per segment, the last piece in the row's own shard's segment (where its logits are
+read). Every segment attends to that row's cached prefix and to all its pieces (k2jax.ops.ragged brings
+them), so its tokens are no longer consecutive in the flat batch: `place` gives the first.
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ class StepShape:
 class RaggedShape:
     """The static shape of a ragged step: D decode tokens, M blocks of G tokens, B rows, W pages per row;
     verify: samples at every decode token (speculative decoding's verifying step; no chunk blocks); shards:
-    the flat batch's segments, one per data-parallel shard, D and M being each segment's."""
+    the flat batch's segments, one per data-parallel shard, D and M being each segment's; spread: blocks of
+    each segment's spread region, which holds a piece of one row's chunk (see the module docstring)."""
 
     decode: int
     blocks: int
@@ -54,9 +62,10 @@ class RaggedShape:
     table_pages: int
     verify: bool = False
     shards: int = 1
+    spread: int = 0
 
     def __post_init__(self):
-        if self.verify and self.blocks:
+        if self.verify and (self.blocks or self.spread):
             raise ValueError("a verifying step has no chunk blocks")
         if self.shards < 1 or self.rows % self.shards:
             raise ValueError(f"{self.rows} rows do not split over {self.shards} shards")
@@ -64,7 +73,12 @@ class RaggedShape:
     @property
     def segment(self) -> int:
         """Tokens in one shard's segment of the flat batch."""
-        return self.decode + self.blocks * self.block
+        return self.decode + (self.blocks + self.spread) * self.block
+
+    @property
+    def spread_tokens(self) -> int:
+        """Tokens in one segment's spread region (its last ones)."""
+        return self.spread * self.block
 
     @property
     def tokens(self) -> int:
@@ -139,11 +153,13 @@ class RaggedInput(_Input):
 
 @dataclasses.dataclass(frozen=True)
 class Feed:
-    """One row's part of a step: the new tokens it feeds, how many tokens its pages already hold, its pages."""
+    """One row's part of a step: the new tokens it feeds, how many tokens its pages already hold, its pages;
+    spread: its tokens go in pieces to every segment's spread region (at most one row a step)."""
 
     tokens: tuple[int, ...]
     cached: int
     pages: tuple[int, ...]
+    spread: bool = False
 
 
 def blocks_for(n: int, block: int) -> int:
@@ -158,19 +174,48 @@ def _segments(shape: RaggedShape, feeds: dict[int, Feed]):
         if not 0 <= b < shape.rows:
             raise ValueError(f"row {b} is outside the step's {shape.rows} rows")
     for s in range(shape.shards):
-        yield s, s * Bs, s * Ts, {b - s * Bs: f for b, f in feeds.items() if b // Bs == s}
+        yield s, s * Bs, s * Ts, {b - s * Bs: f for b, f in feeds.items() if b // Bs == s and not f.spread}
+
+
+def _spread_row(shape: RaggedShape, feeds: dict[int, Feed]) -> int | None:
+    """The row whose chunk is spread over the segments (None: none), checked to fit."""
+    rows = [b for b, f in feeds.items() if f.spread]
+    if not rows:
+        return None
+    if len(rows) > 1:
+        raise ValueError(f"rows {rows[0]} and {rows[1]} are both spread: a step spreads at most one row")
+    b, n = rows[0], len(feeds[rows[0]].tokens)
+    if not 0 <= b < shape.rows:
+        raise ValueError(f"row {b} is outside the step's {shape.rows} rows")
+    if n > shape.shards * shape.spread_tokens:
+        raise ValueError(f"row {b}'s {n} tokens do not fit the spread regions: {shape.shards} of "
+                         f"{shape.spread_tokens} tokens")
+    return b
+
+
+def spread_pieces(shape: RaggedShape, row: int, n: int) -> list[tuple[int, int, int]]:
+    """Where the spread row's n tokens go: (flat index, index of its first token in the chunk, tokens) per
+    piece, in the chunk's order; the last piece is in the row's own shard's segment."""
+    X, S, Ts = shape.spread_tokens, shape.shards, shape.segment
+    p = -(-n // X)
+    owner = row // (shape.rows // S)
+    return [((owner - p + 1 + j) % S * Ts + Ts - X, j * X, min(X, n - j * X)) for j in range(p)]
 
 
 def place(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, tuple[str, int]]:
     """Where each fed row's tokens go: {row: ("decode", first flat index) or ("chunk", first flat index)}.
     Rows of one token take their segment's decode region while it has room, the others whole blocks in row
     order; a shape with no blocks takes every row in its decode region (a row's tokens consecutive). Raises
-    ValueError naming what does not fit."""
+    ValueError naming what does not fit. The spread row: ("spread", its first token's flat index)."""
+    spread = _spread_row(shape, feeds)
+    where = {}
+    if spread is not None:
+        where[spread] = ("spread", spread_pieces(shape, spread, len(feeds[spread].tokens))[0][0])
     if shape.shards > 1:
         one = shape.one_shard()
-        return {b0 + b: (kind, t0 + i) for _, b0, t0, local in _segments(shape, feeds)
-                for b, (kind, i) in _place(one, local, b0).items()}
-    return _place(shape, feeds, 0)
+        return where | {b0 + b: (kind, t0 + i) for _, b0, t0, local in _segments(shape, feeds)
+                        for b, (kind, i) in _place(one, local, b0).items()}
+    return where | _place(shape, {b: f for b, f in feeds.items() if not f.spread}, 0)
 
 
 def _place(shape: RaggedShape, feeds: dict[int, Feed], first_row: int) -> dict[int, tuple[str, int]]:
@@ -197,22 +242,57 @@ def _place(shape: RaggedShape, feeds: dict[int, Feed], first_row: int) -> dict[i
     return where
 
 
+def flat_indices(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[int, np.ndarray]:
+    """{row: the flat indices of its fed tokens, in order} (consecutive from `place`'s, but a spread row's)."""
+    out = {}
+    for b, (kind, first) in place(shape, feeds).items():
+        n = len(feeds[b].tokens)
+        if kind == "spread":
+            out[b] = np.concatenate([t + np.arange(k) for t, _, k in spread_pieces(shape, b, n)])
+        else:
+            out[b] = first + np.arange(n)
+    return out
+
+
 def lay_out(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[str, np.ndarray]:
     """The step's metadata for k2jax.ops.ragged.RaggedCache and the model call: tokens, row, pos [T] int32,
     valid [T] bool; table [B, W] int32 (unfed rows: the trash page), lengths [B] int32 (tokens held before
     the step), count [B] int32 (tokens fed) and last [B] int32 (the flat index of each fed row's last token:
     where its logits are read; its segment's first token for an unfed row). Padding tokens belong to their
-    segment's first row and are not valid. Rows and flat indices are global (over every segment)."""
+    segment's first row and are not valid, but in the spread regions, whose tokens all belong to the spread
+    row (row 0 without one). Rows and flat indices are global (over every segment)."""
+    spread = _spread_row(shape, feeds)
     if shape.shards == 1:
-        return _lay_out(shape, feeds)
-    one = shape.one_shard()
-    parts = []
-    for _, b0, t0, local in _segments(shape, feeds):
-        out = _lay_out(one, local, b0)
-        out["row"] += b0
-        out["last"] += t0
-        parts.append(out)
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        out = _lay_out(shape, {b: f for b, f in feeds.items() if not f.spread})
+    else:
+        one = shape.one_shard()
+        parts = []
+        for _, b0, t0, local in _segments(shape, feeds):
+            part = _lay_out(one, local, b0)
+            part["row"] += b0
+            part["last"] += t0
+            parts.append(part)
+        out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    X = shape.spread_tokens
+    if X:
+        region = (np.arange(shape.tokens) % shape.segment) >= shape.segment - X
+        out["row"][region] = 0 if spread is None else spread
+    if spread is not None:
+        f = feeds[spread]
+        n = len(f.tokens)
+        if len(f.pages) > shape.table_pages:
+            raise ValueError(f"row {spread} holds {len(f.pages)} pages; the step's tables are "
+                             f"{shape.table_pages} wide")
+        for t, i, k in spread_pieces(shape, spread, n):
+            out["tokens"][t:t + k] = f.tokens[i:i + k]
+            out["pos"][t:t + k] = f.cached + i + np.arange(k)
+            out["valid"][t:t + k] = True
+            out["last"][spread] = t + k - 1
+        out["count"][spread] = n
+        out["table"][spread] = TRASH_PAGE
+        out["table"][spread, :len(f.pages)] = f.pages
+        out["lengths"][spread] = f.cached
+    return out
 
 
 def _lay_out(shape: RaggedShape, feeds: dict[int, Feed], first_row: int = 0) -> dict[str, np.ndarray]:

@@ -67,7 +67,8 @@ def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
     segment's tokens belong to its first row, as k2jax.runtime.layout.lay_out's padding does)."""
     T, B, S = shape.tokens, shape.rows, shape.shards
     seg_T, seg_B = np.arange(T) // shape.segment, np.arange(B) // (B // S)
-    return RaggedInput(tokens=np.zeros(T, np.int32), row=(seg_T * (B // S)).astype(np.int32),
+    spread_T = np.arange(T) % shape.segment >= shape.segment - shape.spread_tokens  # row 0's, as lay_out's
+    return RaggedInput(tokens=np.zeros(T, np.int32), row=np.where(spread_T, 0, seg_T * (B // S)).astype(np.int32),
                        pos=np.zeros(T, np.int32), valid=np.zeros(T, bool), targets=np.full(T, -1, np.int32),
                        table=np.zeros((B, shape.table_pages), np.int32), lengths=np.zeros(B, np.int32),
                        count=np.zeros(B, np.int32), last=(seg_B * shape.segment).astype(np.int32),
@@ -160,7 +161,7 @@ class Runner:
         S, Ts, B = shape.shards, shape.segment, shape.rows
         cache = RaggedCache(state["pages"], state["scales"], batch.table, batch.lengths, row_T, batch.pos,
                             valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad, S,
-                            self.shard_axes)
+                            self.shard_axes, shape.spread_tokens)
         # A verifying step samples at every decode token (each verifies the draft after it), others at each
         # row's last fed token (its index within its row's segment).
         if shape.verify:  # every token: the flat batch is the segments' decode regions, in order

@@ -27,7 +27,9 @@ fit the step's token budget), and takes back what each row sampled.
   within RAGGED_FILL of one first chunk of `prefill_chunk` tokens (the same decoding rows ride in both).
   With data-parallel shards a ragged step has one segment per shard, which runs on that shard's chips
   (k2jax.runtime.layout): each shard's chunks are chosen from its own rows within the same bounds (the
-  shards run side by side), and the fullest segment sizes the step.
+  shards run side by side), and the fullest segment sizes the step. A step whose one chunk is its only
+  one spreads it over every segment instead (a lone long prompt then runs on every shard, not on its own
+  while the others compute padding); its shape is then the smallest spread size that holds it.
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -36,6 +38,7 @@ fit the step's token budget), and takes back what each row sampled.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -43,8 +46,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from k2jax.runtime.layout import (Feed, RaggedInput, RaggedShape, StepInput, StepShape, blocks_for, lay_out,
-                                  place)
+from k2jax.runtime.layout import (Feed, RaggedInput, RaggedShape, StepInput, StepShape, blocks_for,
+                                  flat_indices, lay_out, place)
 from k2jax.runtime.pages import PagePool
 
 if TYPE_CHECKING:
@@ -130,13 +133,16 @@ class Call:
 @dataclasses.dataclass
 class RaggedCall:
     """One ragged step (k2jax.runtime.layout): its shape and, per slot (row b is slot b), (sequence or None,
-    tokens fed); `starts` (set by Scheduler.ragged_inputs) gives each fed row's first flat token."""
+    tokens fed); `starts` and `flat` (set by Scheduler.ragged_inputs) give each fed row's first flat token and
+    all of them (a spread row's are not consecutive)."""
 
     shape: RaggedShape
     rows: list[tuple[Seq | None, int]]
     drafts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # slot -> the drafts it feeds
+    spread: int | None = None  # the row whose chunk the step spreads over its segments
     samples: list[bool] = dataclasses.field(init=False)
     starts: dict[int, int] = dataclasses.field(default_factory=dict)
+    flat: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # slot -> its fed tokens' flat indices
 
     def __post_init__(self):
         self.samples = [s is not None and n > 0 and s.cached + n - len(self.drafts.get(b, ())) == len(s.tokens)
@@ -201,6 +207,12 @@ class Scheduler:
             self.decode_sizes = pow2_upto(per, lo=max(1, per // 8))  # at most 4: a spare row costs little
             top = -(-self.idle // G) * G
             self.region_sizes = sorted({-(-t // G) * G for t in pow2_upto(top, lo=min(top, max(64, G)))})
+            self.spread_sizes = []
+            if self.shards > 1:
+                # A lone chunk is spread over the segments (blocks per segment for each size up to idle_chunk);
+                # several shards' chunks side by side take regions of up to prefill_chunk each.
+                self.spread_sizes = sorted({-(-t // G // self.shards) for t in self.region_sizes})
+                self.region_sizes = self.region_sizes[:bisect.bisect_left(self.region_sizes, self.chunk) + 1]
         # Speculative decoding: a step with no prompt chunk where some row feeds drafts verifies them all, in a
         # decode region of up to every slot's token and its speculative_tokens drafts.
         self.spec = speculative_tokens
@@ -220,6 +232,7 @@ class Scheduler:
             W, G, S = self.max_pages, self.block, self.shards
             return ([RaggedShape(d, 0, G, self.slots, W, shards=S) for d in self.decode_sizes]
                     + [self._region_shape(t) for t in self.region_sizes]
+                    + [self._spread_shape(k) for k in self.spread_sizes]
                     + [RaggedShape(d, 0, G, self.slots, W, verify=True, shards=S) for d in self.verify_sizes])
         out = [StepShape(b, 1, r, self.table_pages(r, 1)) for b in self.row_buckets for r in self.read_buckets[1:]]
         out += [StepShape(1, c, 0, self.table_pages(0, c)) for c in self.chunk_sizes]  # a lone first chunk
@@ -253,6 +266,10 @@ class Scheduler:
     def _region_shape(self, tokens: int) -> RaggedShape:
         return RaggedShape(self.per_shard, tokens // self.block, self.block, self.slots, self.max_pages,
                            shards=self.shards)
+
+    def _spread_shape(self, blocks: int) -> RaggedShape:
+        return RaggedShape(self.per_shard, 0, self.block, self.slots, self.max_pages, shards=self.shards,
+                           spread=blocks)
 
     def _first_region(self) -> int:
         """The chunk region of one first chunk of prefill_chunk tokens."""
@@ -369,8 +386,13 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
-        chunks = [c for sh in range(self.shards) for c in self._ragged_chunks(
-            [s for s in prefilling if s.slot // self.per_shard == sh], bool(decoding))]
+        def each_shard(most=None):
+            return [c for sh in range(self.shards) for c in self._ragged_chunks(
+                [s for s in prefilling if s.slot // self.per_shard == sh], bool(decoding), most)]
+
+        chunks = each_shard()
+        if len(chunks) > 1 and self.spread_sizes:  # not one to spread: each shard's within the largest region
+            chunks = each_shard(self.region_sizes[-1])
         verify = (self.spec and not chunks and all(s.draft is not None for s in decoding)
                   and any(s.draft for s in decoding))
         for s, n in chunks + [(s, 1) for s in decoding]:
@@ -390,20 +412,25 @@ class Scheduler:
         for s, n in fed:
             rows[s.slot] = (s, n)
         chunk_tokens = self.fullest_segment((s.slot, blocks_for(n, G) * G) for s, n in fed if n > 1)
-        if drafts or chunk_tokens == 0:
+        spread = None
+        if self.spread_sizes and not drafts and sum(n > 1 for _, n in fed) == 1:  # a lone chunk: spread it
+            spread, n = next((s.slot, n) for s, n in fed if n > 1)
+            shape = self._spread_shape(bucket(-(-blocks_for(n, G) // self.shards), self.spread_sizes))
+        elif drafts or chunk_tokens == 0:
             shape = self.decode_shape(self.fullest_segment((s.slot, n) for s, n in fed), verify=bool(drafts))
         else:
             shape = self._region_shape(bucket(chunk_tokens, self.region_sizes))
-        return RaggedCall(shape, rows, drafts)
+        return RaggedCall(shape, rows, drafts, spread)
 
-    def _ragged_chunks(self, prefilling: list[Seq], decoding: bool) -> list[tuple[Seq, int]]:
+    def _ragged_chunks(self, prefilling: list[Seq], decoding: bool, most: int | None = None
+                       ) -> list[tuple[Seq, int]]:
         """A ragged step's chunks, (seq, tokens) each, first come first served: at most prefill_chunk tokens
-        in whole blocks (idle_chunk while none decodes). Beside decoding rows, once `ragged_s` holds the
+        in whole blocks (idle_chunk while none decodes; at most `most` if given). Beside decoding rows, once `ragged_s` holds the
         steps' times, each chunk is the most tokens whose step, with the chunks before it, the model puts
         within RAGGED_FILL of a first chunk of prefill_chunk tokens (a later chunk re-reads its cached
         prefix); at least the smallest chunk of the first prompt waiting (it goes on)."""
         G = self.block
-        left = max(G, (self.chunk if decoding else self.idle) // G * G)
+        left = max(G, min(self.chunk if decoding else self.idle, most or self.idle) // G * G)
         timed = decoding and bool(self.ragged_s)
         if timed:
             budget = RAGGED_FILL * self.ragged_time(self._first_region(), 0)
@@ -452,10 +479,12 @@ class Scheduler:
         for b, (s, n) in enumerate(call.rows):
             if s is not None:
                 d = call.drafts.get(b, ())
-                feeds[b] = Feed(tuple(s.tokens[s.cached:s.cached + n - len(d)]) + d, s.cached, tuple(s.pages))
+                feeds[b] = Feed(tuple(s.tokens[s.cached:s.cached + n - len(d)]) + d, s.cached, tuple(s.pages),
+                                b == call.spread)
         for k, v in lay_out(call.shape, feeds).items():
             getattr(batch, k)[...] = v
         call.starts = {b: start for b, (_, start) in place(call.shape, feeds).items()}
+        call.flat = flat_indices(call.shape, feeds)
         for b, (s, _) in enumerate(call.rows):
             if s is not None:
                 batch.prompt_len[b] = s.prompt_len
