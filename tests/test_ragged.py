@@ -328,16 +328,23 @@ def test_sharded_ragged_step_equals_the_plain_call_row_by_row(params, tokens, kv
     _check_sharded(logits, got, want_logits, want_cache, shards, kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype,spec,spread", [
-    ("float32", "data=2,tensor=4", 5), ("float8", "data=2,expert=2,tensor=2", 0), ("float32", None, 2)],
-    ids=["data2_tensor4_row5", "data2_expert2_tensor2_row0_fp8", "no_mesh_row2"])
-def test_a_spread_chunk_equals_the_plain_call(params, tokens, kv_dtype, spec, spread):
+@pytest.mark.parametrize("kv_dtype,spec,spread,kernel", [
+    ("float32", "data=2,tensor=4", 5, False), ("float8", "data=2,expert=2,tensor=2", 0, False),
+    ("float32", None, 2, False), ("float32", "data=2,tensor=4", 2, True)],
+    ids=["data2_tensor4_row5", "data2_expert2_tensor2_row0_fp8", "no_mesh_row2", "data2_tensor4_row2_kernel"])
+def test_a_spread_chunk_equals_the_plain_call(params, tokens, kv_dtype, spec, spread, kernel, monkeypatch):
     """One row's chunk spread over every segment (k2jax.runtime.layout), beside the other rows' decodes and
     chunks in their own segments: a first chunk on shard 0 (row 0), a later one on shard 1 reading 16 cached
     tokens of its shard's pages (row 5), one reading 21 across a page edge (row 2). Its pieces see its
     cached pages from whichever shard holds them and each other; the shard holding its pages writes them.
-    Against the plain rectangular call, row by row and page by page."""
+    Against the plain rectangular call, row by row and page by page; `kernel`: the cached keys read by the
+    TPU's paged kernel (in Pallas' interpreter), as on a TPU."""
+    from k2jax.ops.paged_mla import Blocks, paged_mla
     from k2jax.sharding import use_mesh
+
+    if kernel:
+        monkeypatch.setattr("k2jax.ops.ragged.cache_state", lambda *a: paged_mla(
+            *a[:-4], a[-4], a[-3], blocks=Blocks(rows=64, keys=PAGE), interpret=True))
 
     mesh, axes, shards, cache, want_logits, want_cache = _sharded(params, tokens, kv_dtype, spec)
     feeds = _feeds(tokens, cache)

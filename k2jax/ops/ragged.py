@@ -380,7 +380,7 @@ class RaggedContext:
             own(q_nope_BTNK)[1], own(q_pe_BTNP)[1], own(ckv_BTR)[1], own(k_pe_BTP)[1], w_kv_b_RNX, scale,
             lambda ids_v: c.row_keys(self.group, self.layer, ids_v, C, R, self.dtype), c.page_table[row],
             c.lengths[row], own(c.pos_T.reshape(c.shards, -1))[1], own(c.valid_T.reshape(c.shards, -1))[1], Y,
-            self.dtype)
+            c.pad, self.dtype, split_axes(c.shard_axes, c.shards), head_axes)
         return jnp.concatenate(parts + [spread_BTNV], 1)
 
 
@@ -457,45 +457,58 @@ def ragged_attention(q_nope_TNK, q_pe_TNP, ckv_TR, k_pe_TP, w_kv_b_RNX, scale, p
 
 
 def spread_attention(q_nope_SXNK, q_pe_SXNP, ckv_SXR, k_pe_SXP, w_kv_b_RNX, scale, row_keys, table_W, length,
-                     pos_SX, valid_SX, page_size: int, dtype, visit_keys: int = SPREAD_VISIT_KEYS):
+                     pos_SX, valid_SX, page_size: int, pad: int, dtype, shard_axes=(), head_axes=()):
     """The spread row's tokens' attention (X tokens in each of S segments, pieces of one row's chunk: see the
-    module docstring) over the row's cached keys and over its new tokens up to each one's position, absorbed
-    (a piece is a few tokens a segment: 2R + P per query, key and head) -> [S, X, N, V] in dtype.
+    module docstring) over the row's cached keys and its new tokens up to each one's position -> [S, X, N, V]
+    in dtype.
 
-    Written over the whole flat batch: on a mesh the compiler splits the queries like the segments, and
-    every shard needs every key. row_keys(ids_v) -> [v * Y, C] gives the row's cached pages ids_v on every
-    shard (RaggedCache.row_keys), visit_keys of them at a time for as many visits as its `length` (the tokens
-    its pages hold) needs; its new keys are all the pieces' latents. table_W: its pages (global ids); pos,
-    valid: the spread tokens' (a padding token's output is not used)."""
+    The row's keys are laid out once a layer on every shard, in position order, as one row's pages of a
+    small pool: its cached keys (row_keys(ids_v) -> [v * Y, C] brings its pages ids_v to every shard,
+    RaggedCache.row_keys, for as many visits as its `length`, the tokens its pages hold, needs), then every
+    piece's new latents. Each segment's piece then attends as a chunk block does, absorbed: to the keys
+    before its first token through `cache_state` (on a TPU the paged kernel, which holds the scores in VMEM:
+    over a long chunk's keys they would be X x N x S·X floats a chip in HBM), and to itself causally.
+    table_W: the row's pages (global ids); pos, valid: the spread tokens' (a padding token's output is not
+    used); shard_axes: the segments' mesh axes where a mesh splits them, head_axes the heads' (else the
+    segments as query groups of one call)."""
     S, X, N, K = q_nope_SXNK.shape
     R, P = ckv_SXR.shape[-1], k_pe_SXP.shape[-1]
     C = R + P
     dt = jnp.dtype(dtype)
     f32 = jnp.float32
-    q_lat_TNR = (_absorb_uk(q_nope_SXNK.reshape(S * X, N, K), w_kv_b_RNX, K, dt) * scale).astype(dt)
-    q_pe_TNP = (q_pe_SXNP.reshape(S * X, N, P).astype(f32) * scale).astype(dt)
-    q_1TNC = jnp.concatenate([q_lat_TNR, q_pe_TNP], -1)[None]
-    v = max(1, visit_keys // page_size)
+    Y = page_size
+    v = max(1, SPREAD_VISIT_KEYS // Y)
     W = table_W.shape[0]
     table_W = jnp.pad(table_W, [(0, -W % v)], constant_values=TRASH_PAGE)
-    Z = v * page_size
+    Z = v * Y
 
-    def visit(i, state):  # the row's cached keys [i * Z, (i + 1) * Z)
-        x_ZC = row_keys(jax.lax.dynamic_slice_in_dim(table_W, i * v, v))
-        s_1TNZ = jnp.einsum("gTNC,ZC->gTNZ", q_1TNC, x_ZC, preferred_element_type=f32)
-        see_Z = i * Z + jnp.arange(Z) < length
-        return _update(state, s_1TNZ, see_Z[None, None, None, :], x_ZC[None], dt)
+    # The row's keys by position: its cached ones, then the pieces from the one that starts at `length`.
+    A = -(-(table_W.shape[0] * Y + S * X) // Y)  # the small pool's pages
+    keys_AC = jax.lax.fori_loop(0, (length + Z - 1) // Z, lambda i, k: jax.lax.dynamic_update_slice_in_dim(
+        k, row_keys(jax.lax.dynamic_slice_in_dim(table_W, i * v, v)), i * Z, 0), jnp.zeros((A * Y, C), dt))
+    x_SXC = jnp.concatenate([ckv_SXR, k_pe_SXP.astype(ckv_SXR.dtype)], -1).astype(dt)
+    first = jnp.argmax(valid_SX[:, 0] & (pos_SX[:, 0] == length))  # the segment of the chunk's first piece
+    keys_AC = jax.lax.dynamic_update_slice_in_dim(keys_AC, jnp.roll(x_SXC, -first, 0).reshape(S * X, C), length, 0)
+    pool_1AYC = jnp.pad(keys_AC.reshape(1, A, Y, C), [(0, 0), (0, 0), (0, 0), (0, pad)])
+    start_S = jnp.where(valid_SX[:, 0], pos_SX[:, 0], 0)  # each piece's keys before it
 
-    init = (jnp.full((1, S * X, N), _NEG_INF, f32), jnp.zeros((1, S * X, N), f32), jnp.zeros((1, S * X, N, C), f32))
-    state = jax.lax.fori_loop(0, (length + Z - 1) // Z, visit, init)
-    # Its new tokens: every piece's latents, each query seeing those up to its position.
-    x_1TC = jnp.concatenate([ckv_SXR, k_pe_SXP.astype(ckv_SXR.dtype)], -1).reshape(1, S * X, C).astype(dt)
-    pos_T, valid_T = pos_SX.reshape(-1), valid_SX.reshape(-1)
-    s_1TNT = jnp.einsum("gTNC,gZC->gTNZ", q_1TNC, x_1TC, preferred_element_type=f32)
-    see_TT = valid_T[None, :] & (pos_T[None, :] <= pos_T[:, None]) & valid_T[:, None]
-    _, l, acc = (x[0] for x in _update(state, s_1TNT, see_TT[None, :, None, :], x_1TC, dt))
-    o_lat_TNR = (acc[..., :R] / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt)
-    return _apply_uv(o_lat_TNR, w_kv_b_RNX, K, dt).astype(dt).reshape(S, X, N, -1)
+    q_lat_SXNR = (_absorb_uk(q_nope_SXNK.reshape(S * X, N, K), w_kv_b_RNX, K, dt) * scale).astype(dt)
+    q_pe_SXNP = (q_pe_SXNP.astype(f32) * scale).astype(dt)
+
+    def pieces(_, q_lat_MXNR, q_pe_MXNP, x_MXC, pos_MX, valid_MX, start_M, pool_1AYC):  # M segments' pieces
+        M = x_MXC.shape[0]
+        table_MA = jnp.broadcast_to(jnp.arange(A, dtype=jnp.int32), (M, A))
+        st = cache_state(q_lat_MXNR, q_pe_MXNP, jnp.arange(M), jnp.ones((M,), bool), pool_1AYC, None, 0,
+                         table_MA, start_M, R, pad, dt, CHUNK_VISIT_KEYS)
+        see_MX1X = (valid_MX[:, None, :] & (pos_MX[:, None, :] <= pos_MX[:, :, None]))[:, :, None, :]
+        s_MXNX = _scores(q_lat_MXNR, q_pe_MXNP, x_MXC[..., :R], x_MXC[..., R:])
+        _, l, acc = _update(st, s_MXNX, see_MX1X, x_MXC[..., :R], dt)
+        return ((acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(dt),)
+
+    (o_lat_SXNR,) = per_shard(pieces, (q_lat_SXNR.reshape(S, X, N, R), q_pe_SXNP, x_SXC, pos_SX, valid_SX,
+                                       start_S, pool_1AYC), (0, 0, 0, 0, 0, 0, None), (0,), shard_axes,
+                              (2, 2, None, None, None, None, None), (2,), head_axes)
+    return _apply_uv(o_lat_SXNR.reshape(S * X, N, R), w_kv_b_RNX, K, dt).astype(dt).reshape(S, X, N, -1)
 
 
 def _unless_seen_nothing(any_keys, fn, Tc: int, N: int, V: int):
