@@ -32,11 +32,11 @@ it as tokens [S, T / S]: each shard attends over its own segment, rows and part 
 after another: the plain form, equal by construction.
 
 A step may also spread one row's chunk over every segment (k2jax.runtime.layout: each segment's last
-`spread` tokens hold a piece of it), so a lone long prompt runs on every shard rather than on one. Those
-tokens attend outside the per-shard form, written over the whole flat batch for the compiler to partition
-(`spread_attention`): the row's cached pages are brought to every shard a visit at a time (read by the
-shard that holds them, summed over the shards: `RaggedCache.row_keys`), its new latents from every piece,
-and the shard holding its pages writes them all.
+`spread` tokens hold a piece of it), so a lone long prompt runs on every shard rather than on one
+(`spread_attention`). Every shard lays that row's keys out once a layer: its cached pages, brought a visit
+at a time (read by the shard that holds them, summed over the shards: `RaggedCache.row_keys`), then every
+piece's new latents. Each piece then attends as a chunk block does, through `cache_state` (the paged kernel
+on a TPU); the shard holding the row's pages writes them all.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ CHUNK_TILE = 256  # new tokens per query and key tile in the chunk region (whole
 PREFIX_TILE = 512
 PREFIX_VISIT_KEYS = 128
 UNROLL_TILES = 4  # up to this many tiles, each query tile takes its keys in one product (no loop)
-# A spread row's cached keys per visit: each visit sums its pages over the shards (one collective a layer and
-# visit), so visits are few and large; the scores they make are a piece's few queries' each.
+# A spread row's cached keys brought to every shard per visit: each visit sums its pages over the shards (one
+# collective a layer and visit), so visits are few and large.
 SPREAD_VISIT_KEYS = 1024
 
 

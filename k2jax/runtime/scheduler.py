@@ -27,9 +27,9 @@ fit the step's token budget), and takes back what each row sampled.
   within RAGGED_FILL of one first chunk of `prefill_chunk` tokens (the same decoding rows ride in both).
   With data-parallel shards a ragged step has one segment per shard, which runs on that shard's chips
   (k2jax.runtime.layout): each shard's chunks are chosen from its own rows within the same bounds (the
-  shards run side by side), and the fullest segment sizes the step. A step whose one chunk is its only
-  one spreads it over every segment instead (a lone long prompt then runs on every shard, not on its own
-  while the others compute padding); its shape is then the smallest spread size that holds it.
+  shards run side by side), and the fullest segment sizes the step. A step with a single chunk spreads it
+  over every segment instead (a lone long prompt then runs on every shard, not on its own while the others
+  compute padding), in the smallest spread size that holds it.
 - Pages are taken as a row grows. When a shard has none left for a row (after evicting idle cached
   pages), the newest sequence on that shard is preempted: its pages freed, it goes back to the front of the
   queue keeping what it generated, and is recomputed later from its tokens (its output is the same as if it
@@ -386,6 +386,7 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.decoding]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
+
         def each_shard(most=None):
             return [c for sh in range(self.shards) for c in self._ragged_chunks(
                 [s for s in prefilling if s.slot // self.per_shard == sh], bool(decoding), most)]
@@ -425,10 +426,10 @@ class Scheduler:
     def _ragged_chunks(self, prefilling: list[Seq], decoding: bool, most: int | None = None
                        ) -> list[tuple[Seq, int]]:
         """A ragged step's chunks, (seq, tokens) each, first come first served: at most prefill_chunk tokens
-        in whole blocks (idle_chunk while none decodes; at most `most` if given). Beside decoding rows, once `ragged_s` holds the
-        steps' times, each chunk is the most tokens whose step, with the chunks before it, the model puts
-        within RAGGED_FILL of a first chunk of prefill_chunk tokens (a later chunk re-reads its cached
-        prefix); at least the smallest chunk of the first prompt waiting (it goes on)."""
+        in whole blocks (idle_chunk while none decodes; at most `most` if given). Beside decoding rows, once
+        `ragged_s` holds the steps' times, each chunk is the most tokens whose step, with the chunks before
+        it, the model puts within RAGGED_FILL of a first chunk of prefill_chunk tokens (a later chunk re-reads
+        its cached prefix); at least the smallest chunk of the first prompt waiting (it goes on)."""
         G = self.block
         left = max(G, min(self.chunk if decoding else self.idle, most or self.idle) // G * G)
         timed = decoding and bool(self.ragged_s)
