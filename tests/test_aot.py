@@ -48,8 +48,9 @@ def compiled(topology, batch, max_len, programs, quant=None, mesh=None):
 @pytest.fixture(scope="module")
 def v5p_64():
     """Kimi K2 bf16 on v5p:4x4x4 (64 chips), batch 64 x 8192: decode, a 1 x 8192 prefill, a later
-    512-token chunk of a lone row, and serve's ragged step with every row decoding."""
-    return compiled("v5p:4x4x4", 64, 8192, ("decode", "prefill", "chunk", "ragged"))
+    512-token chunk of a lone row, and serve's ragged step with every row decoding, and with a lone row's
+    512-token chunk spread over the segments beside them."""
+    return compiled("v5p:4x4x4", 64, 8192, ("decode", "prefill", "chunk", "ragged", "ragged_spread"))
 
 
 def test_kimi_k2_bf16_on_v5p_64_within_the_goal(v5p_64):
@@ -85,6 +86,22 @@ def test_the_ragged_step_on_v5p_64_reads_in_place(v5p_64):
     assert sum(c["bytes"] for c in ragged.collectives.values()) < 1 * GiB
     assert ragged.moved_bytes <= 1.2 * ragged.argument_bytes, ragged.moved_bytes / ragged.argument_bytes
     assert ragged.moved_bytes <= 1.05 * decode.moved_bytes, ragged.moved_bytes / decode.moved_bytes
+
+
+def test_a_lone_chunk_spread_over_the_segments_on_v5p_64(v5p_64):
+    """serve's ragged step with a lone row's 512-token chunk beside the 64 decoding rows: spread over the 64
+    segments (8 tokens each, in a block of 16), not in its own shard's segment with every other segment's
+    padding alike (the ragged_chunk program's 32,832 flat tokens: 344 GiB moved and 74 TFLOP per chip). Its
+    pieces read the row's keys through the paged kernel; what the shards exchange is tokens and keys, never
+    weights, and never the pool."""
+    res, _ = v5p_64
+    spread = res["ragged_spread"]
+    assert spread.shape.shards == 64 and spread.shape.tokens == 64 * (1 + 16)
+    assert spread.total_bytes <= 54 * GiB, spread.total_bytes / GiB
+    assert spread.weight_collectives == []
+    assert sum(c["bytes"] for c in spread.collectives.values()) < 5 * GiB, spread.collectives  # 2.9 GiB
+    assert spread.moved_bytes <= 90 * GiB, spread.moved_bytes / GiB  # 79.9
+    assert spread.flops <= 6e12, spread.flops / 1e12  # 4.3
 
 
 def test_a_lone_rows_prompt_is_split_over_the_chips(v5p_64):
