@@ -404,6 +404,8 @@ def test_a_spread_rows_pieces_end_in_its_own_segment():
         lay_out(shape, feeds | {1: Feed((1,) * 17, 0, (9, 10, 11), spread=True)})
     with pytest.raises(ValueError, match="both spread"):
         lay_out(shape, feeds | {0: Feed((1,), 0, (1,), spread=True)})
+    with pytest.raises(ValueError, match="row 1 is spread, but the step's shape has no spread region"):
+        lay_out(dataclasses.replace(shape, spread=0), feeds)
 
 
 @pytest.mark.parametrize("fmt", ["plain", "fp8"])

@@ -187,6 +187,8 @@ def _spread_row(shape: RaggedShape, feeds: dict[int, Feed]) -> int | None:
     b, n = rows[0], len(feeds[rows[0]].tokens)
     if not 0 <= b < shape.rows:
         raise ValueError(f"row {b} is outside the step's {shape.rows} rows")
+    if not shape.spread:
+        raise ValueError(f"row {b} is spread, but the step's shape has no spread region")
     if n > shape.shards * shape.spread_tokens:
         raise ValueError(f"row {b}'s {n} tokens do not fit the spread regions: {shape.shards} of "
                          f"{shape.spread_tokens} tokens")
