@@ -343,15 +343,16 @@ class RaggedContext:
         spec = split_specs(("heads",), q_nope_BTNK.shape[2:3]) if split else None
         head_axes = cutting_axes(spec[0], dict(jax.sharding.get_abstract_mesh().shape)) if spec else ()
 
+        # Each new token's tensors as the segments' own tokens and their spread ones (attended below).
+        (q_nope, spread_q_nope), (q_pe, spread_q_pe) = c.regions(q_nope_BTNK), c.regions(q_pe_BTNP)
+        (ckv, spread_ckv), (k_pe, spread_k_pe) = c.regions(ckv_BTR), c.regions(k_pe_BTP)
+        (pos, spread_pos), (valid, spread_valid) = (c.regions(x.reshape(c.shards, -1)) for x in (c.pos_T, c.valid_T))
         # (argument, its segment dim, its head dim): the kv_b_proj halves go in split by heads, else whole
         # (closed over).
-        # The segments' own tokens (a spread row's attend below).
-        own, flat = c.regions, c.flat_regions
-        named = {"q_nope": (own(q_nope_BTNK)[0], 0, 2), "q_pe": (own(q_pe_BTNP)[0], 0, 2),
-                 "ckv": (own(ckv_BTR)[0], 0, None), "k_pe": (own(k_pe_BTP)[0], 0, None),
+        named = {"q_nope": (q_nope, 0, 2), "q_pe": (q_pe, 0, 2), "ckv": (ckv, 0, None), "k_pe": (k_pe, 0, None),
                  "table": (c.page_table, 0, None), "lengths": (c.lengths, 0, None),
-                 "row": (flat(c.row_T)[0], 0, None), "pos": (flat(c.pos_T)[0], 0, None),
-                 "valid": (flat(c.valid_T)[0], 0, None), "pages": (c.pages[self.group], 1, None)}
+                 "row": (c.flat_regions(c.row_T)[0], 0, None), "pos": (pos.reshape(-1), 0, None),
+                 "valid": (valid.reshape(-1), 0, None), "pages": (c.pages[self.group], 1, None)}
         if head_axes:
             named["w"] = (w_kv_b_RNX, None, 1)
         if scales is not None:
@@ -377,10 +378,10 @@ class RaggedContext:
         R = ckv_BTR.shape[-1]
         C = R + k_pe_BTP.shape[-1]
         spread_BTNV = spread_attention(
-            own(q_nope_BTNK)[1], own(q_pe_BTNP)[1], own(ckv_BTR)[1], own(k_pe_BTP)[1], w_kv_b_RNX, scale,
+            spread_q_nope, spread_q_pe, spread_ckv, spread_k_pe, w_kv_b_RNX, scale,
             lambda ids_v: c.row_keys(self.group, self.layer, ids_v, C, R, self.dtype), c.page_table[row],
-            c.lengths[row], own(c.pos_T.reshape(c.shards, -1))[1], own(c.valid_T.reshape(c.shards, -1))[1], Y,
-            c.pad, self.dtype, split_axes(c.shard_axes, c.shards), head_axes)
+            c.lengths[row], spread_pos, spread_valid, Y, c.pad, self.dtype, split_axes(c.shard_axes, c.shards),
+            head_axes)
         return jnp.concatenate(parts + [spread_BTNV], 1)
 
 

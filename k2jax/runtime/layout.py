@@ -291,8 +291,7 @@ def lay_out(shape: RaggedShape, feeds: dict[int, Feed]) -> dict[str, np.ndarray]
             out["valid"][t:t + k] = True
             out["last"][spread] = t + k - 1
         out["count"][spread] = n
-        out["table"][spread] = TRASH_PAGE
-        out["table"][spread, :len(f.pages)] = f.pages
+        out["table"][spread, :len(f.pages)] = f.pages  # the rest: the trash page (no part placed the row)
         out["lengths"][spread] = f.cached
     return out
 

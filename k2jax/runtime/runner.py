@@ -48,7 +48,7 @@ from k2jax.nn.model import HIDDEN, K2Model, copied_expert_bytes, expert_views, h
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.ops.ragged import RaggedCache
-from k2jax.runtime.layout import RaggedInput, RaggedShape, StepInput, StepShape
+from k2jax.runtime.layout import RaggedInput, RaggedShape, StepInput, StepShape, lay_out
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
 
@@ -63,18 +63,13 @@ def host_batch(shape: StepShape, vocab_size: int) -> StepInput:
 
 
 def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
-    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows; each
-    segment's tokens belong to its first row, as k2jax.runtime.layout.lay_out's padding does)."""
-    T, B, S = shape.tokens, shape.rows, shape.shards
-    seg_T, seg_B = np.arange(T) // shape.segment, np.arange(B) // (B // S)
-    spread_T = np.arange(T) % shape.segment >= shape.segment - shape.spread_tokens  # row 0's, as lay_out's
-    return RaggedInput(tokens=np.zeros(T, np.int32), row=np.where(spread_T, 0, seg_T * (B // S)).astype(np.int32),
-                       pos=np.zeros(T, np.int32), valid=np.zeros(T, bool), targets=np.full(T, -1, np.int32),
-                       table=np.zeros((B, shape.table_pages), np.int32), lengths=np.zeros(B, np.int32),
-                       count=np.zeros(B, np.int32), last=(seg_B * shape.segment).astype(np.int32),
-                       prompt_len=np.zeros(B, np.int32),
-                       reset=np.zeros(B, bool), bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32),
-                       step=np.zeros(B, np.int32))
+    """A ragged step's host inputs for `shape`, all neutral (nothing fed, nothing written, greedy rows): the
+    layout of no feeds (k2jax.runtime.layout.lay_out: each token belongs to its segment's first row, or in a
+    spread region to row 0)."""
+    B = shape.rows
+    return RaggedInput(**lay_out(shape, {}), targets=np.full(shape.tokens, -1, np.int32),
+                       prompt_len=np.zeros(B, np.int32), reset=np.zeros(B, bool),
+                       bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), step=np.zeros(B, np.int32))
 
 
 def neutral_batch(shape, vocab_size: int) -> StepInput | RaggedInput:
