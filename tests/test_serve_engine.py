@@ -129,7 +129,8 @@ def test_ragged_chunks_are_bounded_by_the_budget(model_params, solo):
     n_steps = _long_prompt_beside_a_decode(eng, solo)
     beside = [f for _, f in steps[1:] if 1 in f and max(f) > 1]
     assert beside and max(max(f) for f in beside) == 16  # beside a decoding row: prefill_chunk at most
-    assert len(steps) == n_steps  # one call per engine step
+    # one call per engine step, but the last: it only reads the tokens of the step before (overlap)
+    assert len(steps) == n_steps - 1
 
 
 def test_a_burst_is_prefilled_in_one_batch_and_decodes_over_buckets_of_live_rows(model_params, solo):
@@ -568,3 +569,75 @@ def test_generate_takes_speculative_decoding(model_params):
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
     assert 0 < t["accepted"] <= t["drafted"]
+
+
+def test_overlap_sends_each_step_before_reading_the_one_before_and_feeds_its_tokens_on_the_device(
+        model_params, solo):
+    """With overlap (the default) each ragged step is sent before the step before's tokens are read, and a
+    decoding row's token is fed as FROM_LAST (taken from the device), never by the host. The outputs are
+    generate's, each prompt alone, and the engine without overlap feeds the real tokens and reads each step's
+    tokens before sending the next."""
+    from k2jax.runtime.layout import FROM_LAST
+
+    prompts = _prompts(21, (5, 12, 23))
+
+    def run(overlap):
+        eng = _engine(model_params, overlap=overlap)
+        log = []
+        step, emit = eng.runner.step, eng._emit
+        eng.runner.step = lambda shape, batch: log.append(("send", batch.tokens[batch.valid].tolist())) or step(
+            shape, batch)
+        eng._emit = lambda call, out: log.append(("read",)) or emit(call, out)
+        got, _ = _run(eng, prompts)
+        return got, log
+
+    for overlap in (True, False):
+        got, log = run(overlap)
+        assert got == [solo(p) for p in prompts], overlap
+        sends = [e[1] for e in log if e[0] == "send"]
+        fed_last = sum(t == FROM_LAST for s in sends for t in s)
+        if overlap:
+            # every read but the last comes after the next step is sent
+            assert [e[0] for e in log[:2]] == ["send", "send"]
+            assert all(log[i - 1][0] == "send" for i in range(1, len(log) - 1) if log[i][0] == "read")
+            # each decoding row's token: N - 1 per request (the first comes from its prompt's last chunk)
+            assert fed_last == len(prompts) * (N - 1)
+        else:
+            assert [e[0] for e in log] == ["send", "read"] * (len(log) // 2)
+            assert fed_last == 0
+
+
+def test_overlap_changes_no_output(model_params, solo):
+    """Sampled, penalised, stopped, one-token and prompt-scoring requests, with preemption in a small pool:
+    the same tokens, finish reasons and scores with and without overlap. A row stopped by its step's token
+    was fed once more for nothing: that output is dropped, and every page comes back."""
+    prompts = _prompts(22, (30, 25, 9, 17, 33, 6))
+    stop_at = solo(prompts[2], 12)[4]  # its 5th greedy token stops it
+    params = [dict(temperature=0.9, seed=5), dict(frequency_penalty=0.7, presence_penalty=0.3),
+              dict(stop_ids=(stop_at,)), dict(max_tokens=1), dict(temperature=1.0, top_k=5, seed=9),
+              dict(max_tokens=0, prompt_logprobs=2)]
+
+    def run(overlap):
+        eng = _engine(model_params, kv_tokens=12 * PAGE, prefix_cache=False, overlap=overlap)
+        events = {i: [] for i in range(len(prompts))}
+        eng.submit(*[Request(list(p), SamplingParams(**({"max_tokens": 12} | kw)), events[i].append)
+                     for i, (p, kw) in enumerate(zip(prompts, params))])
+        while any(not (e and e[-1].finish_reason) for e in events.values()):
+            eng.step()
+        eng.step()  # anything still sent is read
+        assert eng.pool.in_use_count() == 0 and not eng.busy()
+        out = [([t for e in ev for t in e.token_ids], ev[-1].finish_reason,
+                 [x for e in ev for x in (e.prompt_logprobs or [])]) for ev in events.values()]
+        return out, eng.sched.preemptions
+
+    (on, pre_on), (off, pre_off) = run(True), run(False)
+    assert pre_on > 0 and pre_off > 0
+    assert [o[:2] for o in on] == [o[:2] for o in off]
+    # the scores: the same ids; their values up to float32 rounding (the steps batch the rows differently)
+    for a, b in zip(on[5][2], off[5][2]):
+        assert a["token_id"] == b["token_id"] and [t for t, _ in a["top"]] == [t for t, _ in b["top"]]
+        np.testing.assert_allclose([a["logprob"], *(v for _, v in a["top"])],
+                                   [b["logprob"], *(v for _, v in b["top"])], atol=1e-4)
+    assert on[2][0] == solo(prompts[2], 12)[:5] and on[2][1] == "stop"
+    assert len(on[3][0]) == 1 and on[3][1] == "length"
+    assert on[5][0] == [] and len(on[5][2]) == len(prompts[5]) - 1

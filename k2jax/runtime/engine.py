@@ -27,7 +27,7 @@ import numpy as np
 
 from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
-from k2jax.runtime.layout import DEFAULT_BLOCK, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput, lay_out
+from k2jax.runtime.layout import DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput, lay_out
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
@@ -73,6 +73,12 @@ class Engine:
     time (Scheduler.ragged_s). On a mesh whose data-parallel shards split the slots, the step has one segment
     per shard with the same bounds (k2jax.runtime.layout). Otherwise the rectangular steps: one per chunk,
     and one decode.
+
+    Overlap (config.overlap, ragged steps): a step is planned and sent before the step before's tokens are
+    read. Each row that step sampled feeds FROM_LAST, and the runner takes that token from its slot's last
+    sampled one on the device. The host then reads the step before's tokens, for output, while the device
+    runs the new step. A row whose read token ends it (a stop) was fed once more for nothing, and that output
+    is dropped; a row that reaches its max_tokens is not fed again (Seq.final).
 
     Speculative decoding (config.speculative, ragged steps only): each step where no prompt chunk runs, every
     decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
@@ -126,6 +132,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = False
+        self.overlap = c.overlap
+        self._pending: list[tuple] = []  # the sent step whose tokens are not read yet: [(call, outputs, scored)]
 
     # --- other threads -----------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -309,6 +317,7 @@ class Engine:
                     self._wake.wait(0.5)
                 self._gather_burst()
                 if self._stop:
+                    self._flush()
                     if self.sync is not None:
                         self.sync.close()
                     return
@@ -330,7 +339,7 @@ class Engine:
             seen = len(self._inbox)
 
     def _busy(self) -> bool:
-        return bool(self._inbox or self._cancels or self.sched.waiting or self.sched.live())
+        return bool(self._inbox or self._cancels or self.sched.waiting or self.sched.live() or self._pending)
 
     def step(self) -> None:
         """One engine step: take in new requests and cancellations, admit, run the scheduler's calls."""
@@ -366,6 +375,9 @@ class Engine:
         self._gauges()
         t0 = time.perf_counter()
         done = []
+        overlap = self._overlaps()
+        if not overlap:
+            self._flush()
         if self.proposer is not None:
             self._propose()
         calls = [c for c in [self.sched.plan_ragged()] if c is not None] if self.ragged else self.sched.plan()
@@ -378,10 +390,18 @@ class Engine:
             self._sampling(call, batch)
             scored = self._targets(call, batch)
             done.append((call, self.runner.step(call.shape, batch), scored))
-            self.sched.advance(call)
-        for call, out, scored in done:
-            self._take_scores(out, scored)
-            self._emit(call, out)
+            if not overlap:
+                self.sched.advance(call)
+        if overlap:
+            # This step is sent: read the step before's tokens while it runs. They finish rows this step fed
+            # again (advance skips them), and the pages it indexes hold them.
+            self._flush()
+            for call, _, _ in done:
+                self.sched.advance(call)
+                self._in_flight(call)
+            self._pending = done
+        else:
+            self._emit_all(done)
         if done:
             took = time.perf_counter() - t0
             self.metrics.observe_step(took)
@@ -389,6 +409,32 @@ class Engine:
             if len(done) == 1 and shape in self.spec_step_s:  # what such a step takes when serving, host work too
                 self.spec_step_s[shape] += 0.2 * (took - self.spec_step_s[shape])
         self._gauges()
+
+    def _overlaps(self) -> bool:
+        """Whether this step is sent before the step before's tokens are read (config.overlap): ragged steps,
+        no speculative decoding (drafts follow the last token), no live request with a grammar (its mask
+        does)."""
+        return (self.overlap and self.ragged and self.proposer is None
+                and all(s.req.matcher is None for s in self.sched.live()))
+
+    def _in_flight(self, call: RaggedCall) -> None:
+        """The call was sent and its tokens not read: each sampling row's next token is FROM_LAST until
+        `_flush` reads it (the next step feeds it as that, and takes it on the device); a row whose token is
+        its max_tokens-th is `final`."""
+        for seq, _ in (r for r, samples in zip(call.rows, call.samples) if samples):
+            if not seq.finished and not seq.req.finished:
+                seq.tokens.append(FROM_LAST)
+                seq.final = seq.generated >= max(1, seq.req.params.max_tokens)
+
+    def _flush(self) -> None:
+        """Read the sent step whose tokens were not read yet (if any): its scores and tokens to its requests."""
+        done, self._pending = self._pending, []
+        self._emit_all(done)
+
+    def _emit_all(self, done: list[tuple]) -> None:
+        for call, out, scored in done:
+            self._take_scores(out, scored)
+            self._emit(call, out)
 
     def _propose(self) -> None:
         """Each decoding row's drafts for the next step: up to num_speculative_tokens, none past its
@@ -528,7 +574,10 @@ class Engine:
             seq.shadow = []
             for t in range(first, first + n):
                 tok = int(tokens[t])
-                seq.tokens.append(tok)
+                if seq.tokens[-1] == FROM_LAST:  # sent before it was read (overlap)
+                    seq.tokens[-1] = tok
+                else:
+                    seq.tokens.append(tok)
                 lps = None if lp is None or seq.req.params.logprobs is None else \
                     _logprobs(lp, t, tok, seq.req.params.logprobs)
                 self._emit_token(seq.req, tok, lps, bool(masked[t]))

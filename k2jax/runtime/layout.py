@@ -31,6 +31,9 @@ import numpy as np
 
 TRASH_PAGE = 0  # k2jax.ops.paged.TRASH_PAGE
 DEFAULT_BLOCK = 16  # tokens per chunk block: a prompt chunk's padding is less than this
+# A ragged step's fed token that is its row's last sampled one, read on the device from the step before's
+# output (k2jax.runtime.runner): the host does not know it yet when it plans the step.
+FROM_LAST = -1
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -22,7 +22,9 @@ RaggedShape.verify) samples at every decode token, each verifying the draft fed 
 row, and says how many tokens each row outputs (`_verify`).
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
-prompt-token mask [slots, V] bool for the penalties, and each slot's sampling settings.
+prompt-token mask [slots, V] bool for the penalties, each slot's sampling settings, and the last token each
+slot's row sampled [slots] int32: a ragged step fed FROM_LAST for a row's token takes it from there, so
+a decoding row's tokens go from one step to the next on the device.
 
 Rows of a step split over the data-parallel shards when their count is a multiple of the shard count (row b
 then belongs to shard b // (B / shards), and its slot and pages must lie in that shard); any other batch
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -48,7 +51,7 @@ from k2jax.nn.model import HIDDEN, K2Model, copied_expert_bytes, expert_views, h
 from k2jax.ops.logprobs import token_logprobs
 from k2jax.ops.paged import PagedCache, batch_axes
 from k2jax.ops.ragged import RaggedCache
-from k2jax.runtime.layout import RaggedInput, RaggedShape, StepInput, StepShape, lay_out
+from k2jax.runtime.layout import FROM_LAST, RaggedInput, RaggedShape, StepInput, StepShape, lay_out
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
 
@@ -122,6 +125,7 @@ class Runner:
             self.state = {"pages": pages, "scales": scales,
                           "counts": jnp.zeros((slots, V), jnp.int32, device=sh),
                           "seen": jnp.zeros((slots, V), bool, device=sh),
+                          "last": jnp.zeros(slots, jnp.int32, device=sh),
                           "samp": {k: jnp.asarray(v, device=sh) for k, v in sampling.slot_settings(slots).items()}}
 
     def _context(self):
@@ -147,12 +151,16 @@ class Runner:
         write_B = (count_B > 0) | batch.reset
         counts, seen = self._write_rows(state, batch.slot, write_B, counts_BV, seen_BV)
         return {"pages": cache.pages, "scales": cache.scales, "counts": counts, "seen": seen,
-                "samp": state["samp"]}, out | scores
+                "last": state["last"], "samp": state["samp"]}, out | scores
 
     def _ragged(self, params, state, batch, shape: RaggedShape):
         """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
         prompt scores per flat token [T]. The model takes the flat batch as its S segments [S, T / S]."""
-        row_T, tok_T, valid_T = batch.row, batch.tokens, batch.valid
+        row_T, valid_T = batch.row, batch.valid
+        # A fed token of -1 (FROM_LAST) is its row's last sampled token, still on the device: the host planned
+        # this step before it read the step before's tokens (the engine's overlap).
+        tok_T = jnp.where(batch.tokens == FROM_LAST, state["last"][row_T], batch.tokens)
+        batch = dataclasses.replace(batch, tokens=tok_T)
         S, Ts, B = shape.shards, shape.segment, shape.rows
         cache = RaggedCache(state["pages"], state["scales"], batch.table, batch.lengths, row_T, batch.pos,
                             valid_T, self.cfg.qk_rope_head_dim, shape.decode, shape.block, self.pad, S,
@@ -174,12 +182,14 @@ class Runner:
         seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
         samp = state["samp"] | {"step": batch.step}  # row b is slot b
-        if shape.verify:
+        if shape.verify:  # (no step after it is fed FROM_LAST: the engine's overlap stops while it drafts)
             out = _verify(logits_XV, batch, samp)
+            last_B = state["last"]
         else:
             out = sampling.sample_rows(logits_XV, samp, counts_BV, seen_BV, batch.bitmask)
+            last_B = jnp.where(batch.count > 0, out["tokens"], state["last"])
         return ({"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV,
-                 "samp": state["samp"]}, out | scores)
+                 "last": last_B, "samp": state["samp"]}, out | scores)
 
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
         """The prompt_* outputs (see `step`): computed only when some row has a target."""
@@ -415,7 +425,7 @@ def _compile(lowered, shape: StepShape, on_start):
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
     """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
     {"pages", "scales": the pool (k2jax.runtime.cache.pool_shapes), "counts" [slots, V] int32, "seen"
-    [slots, V] bool, "samp": each slot's sampling settings (sampling.slot_settings)}."""
+    [slots, V] bool, "last" [slots] int32 (each slot's last sampled token), "samp": each slot's sampling settings (sampling.slot_settings)}."""
     pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
     pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)
 
@@ -427,6 +437,7 @@ def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh
             "scales": jax.tree.map(lambda s: placed(s, pool), scales),
             "counts": jax.ShapeDtypeStruct((slots, V), jnp.int32, sharding=rows),
             "seen": jax.ShapeDtypeStruct((slots, V), jnp.bool_, sharding=rows),
+            "last": jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=rows),
             "samp": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rows)
                      for k, v in sampling.slot_settings(slots).items()}}
 

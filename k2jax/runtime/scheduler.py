@@ -90,6 +90,9 @@ class Seq:
     spec_hits: float = 0.0
     spec_trials: float = 0.0
     shadow: list[int] = dataclasses.field(default_factory=list)  # drafts proposed but not fed (the engine's)
+    # Its last token is still being sampled on the device and is its last (its max_tokens): it feeds nothing
+    # more (the engine's overlap, which also marks that token FROM_LAST in `tokens` until it is read).
+    final: bool = False
 
     @property
     def accept_rate(self) -> float:
@@ -384,7 +387,7 @@ class Scheduler:
         are not free is dropped (it never preempts)."""
         G = self.block
         live = self.live()
-        decoding = [s for s in live if s.decoding]
+        decoding = [s for s in live if s.decoding and not s.final]
         prefilling = sorted((s for s in live if not s.decoding and s.pending > 0), key=lambda s: s.order)
 
         def each_shard(most=None):
@@ -595,7 +598,7 @@ class Scheduler:
         pages for reuse."""
         drafts = call.drafts if isinstance(call, RaggedCall) else {}
         for b, (seq, n) in enumerate(call.rows):
-            if seq is not None:
+            if seq is not None and not seq.finished:  # (finished since: by the step before's token)
                 seq.cached += n - len(drafts.get(b, ()))
                 seq.new_slot = False
                 self.pool.register(seq.slot // self.per_shard, seq.tokens[:seq.cached], seq.pages, seq.keys)

@@ -26,6 +26,10 @@ class EngineConfig:
     - `ragged` (the default): each engine step is one ragged step (k2jax.ops.ragged) over every decoding row
       and the prompt chunks that fit (on a mesh, one segment per data-parallel shard); False: the
       rectangular steps.
+    - `overlap` (ragged steps, the default): the engine plans and sends a step before it reads the step
+      before's tokens, which the new step takes on the device (its decoding rows' fed tokens); the host's
+      work for one step runs while the device runs the other. Not while a request with a grammar runs
+      (its mask needs its last token) nor with speculative decoding (its drafts do).
     - `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
       `prompt_lookup` = (min, max) tokens): decoding rows feed up to `num_speculative_tokens` drafted tokens,
       which the step verifies (see Engine).
@@ -44,6 +48,7 @@ class EngineConfig:
     stall_bound: bool = True
     min_chunk: int = 64
     ragged: bool = True
+    overlap: bool = True
     speculative: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup: tuple[int, int] = (2, 3)

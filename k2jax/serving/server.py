@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rectangular: one call per prompt chunk and one over the decoding rows, a program per "
                         "(rows, tokens, cache read) bucket; the step times are weighed as --fixed-chunks says. "
                         "auto (default): ragged")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each step's sampled tokens before planning the next step. By default (ragged steps) "
+                        "the engine plans and sends step n+1 while step n runs, and step n+1 takes its decoding "
+                        "requests' tokens from step n on the device; the host reads them afterwards, for output. "
+                        "A step where a request with a grammar decodes, and speculative decoding, run without "
+                        "overlap either way")
     p.add_argument("--speculative", choices=("ngram",), default=None,
                    help="speculative decoding: ngram = prompt lookup (each decoding request's last few tokens "
                         "looked up earlier in its own prompt and output; what followed them is drafted), and one "
@@ -186,7 +192,7 @@ def engine_config(args):
         max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, kv_tokens=args.kv_tokens,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
         batch_wait_s=args.batch_wait_ms / 1e3, prefill_chunk=args.prefill_chunk, idle_chunk=args.idle_prefill_chunk,
-        stall_bound=not args.fixed_chunks, ragged=args.step_layout != "rectangular",
+        stall_bound=not args.fixed_chunks, ragged=args.step_layout != "rectangular", overlap=not args.no_overlap,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup=(args.prompt_lookup_min, args.prompt_lookup_max))
 
