@@ -2,10 +2,11 @@
 
 The engine ties the scheduler (k2jax.runtime.scheduler: which rows run, their pages, the prefix cache,
 preemption; plain Python) to the runner (k2jax.runtime.runner: the jitted steps, the same ones
-`k2jax.generate` runs). One engine step = the scheduler's calls, dispatched to the device (on one device one
-ragged call over every decoding row and the prompt chunks that fit, k2jax.ops.ragged; on a mesh prompt
-chunks, then one decode over every decoding row), then each row's sampled token turned into an Event (text made
-incrementally by k2jax.runtime.detok, stop ids and strings, max_tokens, logprobs). Everything on the device
+`k2jax.generate` runs). One engine step = the scheduler's calls, dispatched to the device (one ragged call
+over every decoding row and the prompt chunks that fit, k2jax.ops.ragged; with rectangular steps, prompt
+chunks, then one decode over every decoding row), then each row's sampled token turned into an Event (text
+made incrementally by k2jax.runtime.detok, stop ids and strings, max_tokens, logprobs). With overlap (see
+Engine) the tokens turned into Events are the step before's, read while this step runs. Everything on the device
 has static shapes (the scheduler's `shapes`, all compiled by `warm_up`): nothing compiles afterwards,
 however requests come and go.
 
