@@ -24,8 +24,9 @@ def test_serve_flags_become_one_engine_config():
                              batch_wait_s=0.005, stall_bound=False, ragged=True, speculative="ngram",
                              num_speculative_tokens=3, kv_cache_dtype="float8", prompt_lookup=c.prompt_lookup)
     defaults = engine_config(_flags())
-    assert defaults.ragged is True and defaults.speculative is None and defaults.prefix_cache
+    assert defaults.ragged is True and defaults.speculative is None and defaults.prefix_cache and defaults.overlap
     assert engine_config(_flags("--step-layout", "rectangular")).ragged is False
+    assert engine_config(_flags("--no-overlap")).overlap is False
 
 
 @pytest.mark.parametrize("bad,match", [

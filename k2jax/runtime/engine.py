@@ -6,8 +6,8 @@ preemption; plain Python) to the runner (k2jax.runtime.runner: the jitted steps,
 over every decoding row and the prompt chunks that fit, k2jax.ops.ragged; with rectangular steps, prompt
 chunks, then one decode over every decoding row), then each row's sampled token turned into an Event (text
 made incrementally by k2jax.runtime.detok, stop ids and strings, max_tokens, logprobs). With overlap (see
-Engine) the tokens turned into Events are the step before's, read while this step runs. Everything on the device
-has static shapes (the scheduler's `shapes`, all compiled by `warm_up`): nothing compiles afterwards,
+Engine) the tokens turned into Events are the step before's, read while this step runs. Everything on the
+device has static shapes (the scheduler's `shapes`, all compiled by `warm_up`): nothing compiles afterwards,
 however requests come and go.
 
 The engine is driven by one thread (`run`); other threads call `submit`, `cancel`, `abort_all` and `stop`,
@@ -28,7 +28,8 @@ import numpy as np
 
 from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
-from k2jax.runtime.layout import DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput, lay_out
+from k2jax.runtime.layout import (DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput,
+                                  lay_out)
 from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics

@@ -425,7 +425,8 @@ def _compile(lowered, shape: StepShape, on_start):
 def state_shapes(cfg, slots: int, num_pages: int, page_size: int, kv_dtype, mesh=None) -> dict:
     """A Runner's state as jax.ShapeDtypeStructs placed as the Runner places it (nothing allocated):
     {"pages", "scales": the pool (k2jax.runtime.cache.pool_shapes), "counts" [slots, V] int32, "seen"
-    [slots, V] bool, "last" [slots] int32 (each slot's last sampled token), "samp": each slot's sampling settings (sampling.slot_settings)}."""
+    [slots, V] bool, "last" [slots] int32 (each slot's last sampled token), "samp": each slot's sampling
+    settings (sampling.slot_settings)}."""
     pages, scales = pool_shapes(cfg, num_pages, page_size, kv_dtype, lane(mesh))
     pool, rows = pool_sharding(mesh, slots), rows_sharding(mesh, slots)
 
