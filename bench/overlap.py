@@ -18,32 +18,16 @@ import os
 import time
 
 from common import REPO  # noqa: F401  (puts the repository on sys.path)
+from serve import closed_loop, workload  # bench/serve.py
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def run(eng, jobs, concurrency: int, overlap: bool) -> dict:
     """The workload in a closed loop at `concurrency` -> tokens, wall, steps, and seconds waited for tokens."""
-    from k2jax.runtime.requests import Request, SamplingParams
-
     eng.overlap = overlap
-    queue, tokens, live, waited = list(range(len(jobs))), [0], [0], [0.0]
-
-    def submit():
-        p, n = jobs[queue.pop(0)]
-        live[0] += 1
-
-        def on(e):
-            tokens[0] += len(e.token_ids)
-            if e.finish_reason:
-                live[0] -= 1
-                if queue:
-                    submit()
-
-        eng.submit(Request(list(p), SamplingParams(max_tokens=n), on))
-
+    waited = [0.0]
     emit = eng._emit
 
     def timed_emit(call, out):  # the wait for the device, apart from the host's work on the tokens
@@ -53,16 +37,11 @@ def run(eng, jobs, concurrency: int, overlap: bool) -> dict:
         return emit(call, out)
 
     eng._emit = timed_emit
-    for _ in range(min(concurrency, len(jobs))):
-        submit()
-    steps, t0 = 0, time.perf_counter()
     try:
-        while live[0] or queue or eng.busy():
-            eng.step()
-            steps += 1
+        tokens, steps, wall = closed_loop(eng, jobs, concurrency)
     finally:
         eng._emit = emit
-    return {"tokens": tokens[0], "wall": time.perf_counter() - t0, "steps": steps, "waited": waited[0]}
+    return {"tokens": tokens, "wall": wall, "steps": steps, "waited": waited[0]}
 
 
 def main():
@@ -85,9 +64,7 @@ def main():
     from k2jax.testing import random_params
 
     cfg = k2jax.K2Config.from_hf_config(args.config)
-    rng = np.random.default_rng(0)
-    jobs = [(rng.integers(2, cfg.vocab_size, rng.integers(args.min_prompt, args.max_prompt + 1)).tolist(),
-             int(rng.integers(args.min_new, args.max_new + 1))) for _ in range(args.requests)]
+    jobs = workload(args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new, cfg.vocab_size)
     dt = jnp.dtype(args.dtype)
     eng = Engine(k2jax.K2Model(cfg, dt), random_params(cfg, dt, seed=0), max_batch=args.max_batch,
                  max_len=args.max_prompt + args.max_new, prefill_chunk=args.prefill_chunk, max_queue=len(jobs),

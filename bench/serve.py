@@ -152,26 +152,12 @@ def stop(proc):
         proc.wait()
 
 
-def in_process(cfg, jobs, args) -> None:
-    """`--in-process`: the workload through k2jax's Engine in this process, with the server's settings, in a
-    closed loop at the highest --concurrency: no HTTP and no transformers, so a change to the step shows
-    without the servers' noise. Prints output tokens/s and the steps' time by shape."""
-    import collections
-
-    import jax
-    import jax.numpy as jnp
-
-    import k2jax
-    from k2jax.runtime.engine import Engine
+def closed_loop(eng, jobs, concurrency: int) -> tuple[int, int, float]:
+    """The jobs ((prompt, new tokens) each, greedy) through an Engine on this thread in a closed loop:
+    `concurrency` at a time, the next submitted as one ends, stepped until every one has ended and nothing
+    sent is left unread -> (output tokens, engine steps, wall seconds)."""
     from k2jax.runtime.requests import Request, SamplingParams
-    from k2jax.testing import random_params
 
-    dt = jnp.bfloat16
-    eng = Engine(k2jax.K2Model(cfg, dt), random_params(cfg, dt, seed=0), max_batch=args.max_batch,
-                 max_len=args.max_prompt + args.max_new, prefill_chunk=args.prefill_chunk, max_queue=len(jobs))
-    t0 = time.perf_counter()
-    eng.warm_up()
-    print(f"engine warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     queue, tokens, live = list(range(len(jobs))), [0], [0]
 
     def submit():
@@ -187,6 +173,34 @@ def in_process(cfg, jobs, args) -> None:
 
         eng.submit(Request(list(p), SamplingParams(max_tokens=n, temperature=0.0), on))
 
+    for _ in range(min(concurrency, len(jobs))):
+        submit()
+    steps, t0 = 0, time.perf_counter()
+    while live[0] or queue or eng.busy():
+        eng.step()
+        steps += 1
+    return tokens[0], steps, time.perf_counter() - t0
+
+
+def in_process(cfg, jobs, args) -> None:
+    """`--in-process`: the workload through k2jax's Engine in this process, with the server's settings, in a
+    closed loop at the highest --concurrency: no HTTP and no transformers, so a change to the step shows
+    without the servers' noise. Prints output tokens/s and the steps' time by shape."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+
+    import k2jax
+    from k2jax.runtime.engine import Engine
+    from k2jax.testing import random_params
+
+    dt = jnp.bfloat16
+    eng = Engine(k2jax.K2Model(cfg, dt), random_params(cfg, dt, seed=0), max_batch=args.max_batch,
+                 max_len=args.max_prompt + args.max_new, prefill_chunk=args.prefill_chunk, max_queue=len(jobs))
+    t0 = time.perf_counter()
+    eng.warm_up()
+    print(f"engine warmed up in {time.perf_counter() - t0:.0f} s", flush=True)
     steps = collections.defaultdict(list)
     run = eng.runner.step
 
@@ -198,14 +212,9 @@ def in_process(cfg, jobs, args) -> None:
         return out
 
     eng.runner.step = timed
-    for _ in range(min(max(map(int, args.concurrency.split(","))), len(jobs))):
-        submit()
-    t0 = time.perf_counter()
-    while live[0] or queue:
-        eng.step()
-    wall = time.perf_counter() - t0
-    print(f"\nworkload: {len(jobs)} requests in process, {tokens[0]} output tokens in {wall:.1f} s: "
-          f"{tokens[0] / wall:.1f} tokens/s; steps {sum(map(len, steps.values()))}, "
+    tokens, _, wall = closed_loop(eng, jobs, max(map(int, args.concurrency.split(","))))
+    print(f"\nworkload: {len(jobs)} requests in process, {tokens} output tokens in {wall:.1f} s: "
+          f"{tokens / wall:.1f} tokens/s; steps {sum(map(len, steps.values()))}, "
           f"{sum(map(sum, steps.values())):.1f} s of them")
     for shape, ts in sorted(steps.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {sum(ts):6.2f} s  {len(ts):4d} x {1e3 * float(np.median(ts)):7.1f} ms  {shape}")

@@ -392,18 +392,16 @@ class Engine:
             self._sampling(call, batch)
             scored = self._targets(call, batch)
             done.append((call, self.runner.step(call.shape, batch), scored))
-            if not overlap:
-                self.sched.advance(call)
-        if overlap:
-            # This step is sent: read the step before's tokens while it runs. They finish rows this step fed
-            # again (advance skips them), and the pages it indexes hold them.
-            self._flush()
-            for call, _, _ in done:
-                self.sched.advance(call)
+        # This step is sent. With overlap, read the step before's tokens while it runs: they finish rows this
+        # step fed again (advance skips them), and the pages advance indexes hold them.
+        self._flush()
+        for call, _, _ in done:
+            self.sched.advance(call)
+            if overlap:
                 self._in_flight(call)
-            self._pending = done
-        else:
-            self._emit_all(done)
+        self._pending = done
+        if not overlap:
+            self._flush()
         if done:
             took = time.perf_counter() - t0
             self.metrics.observe_step(took)
@@ -423,17 +421,14 @@ class Engine:
         """The call was sent and its tokens not read: each sampling row's next token is FROM_LAST until
         `_flush` reads it (the next step feeds it as that, and takes it on the device); a row whose token is
         its max_tokens-th is `final`."""
-        for seq, _ in (r for r, samples in zip(call.rows, call.samples) if samples):
-            if not seq.finished and not seq.req.finished:
+        for (seq, _), samples in zip(call.rows, call.samples):
+            if samples and not seq.finished and not seq.req.finished:
                 seq.tokens.append(FROM_LAST)
                 seq.final = seq.generated >= max(1, seq.req.params.max_tokens)
 
     def _flush(self) -> None:
         """Read the sent step whose tokens were not read yet (if any): its scores and tokens to its requests."""
         done, self._pending = self._pending, []
-        self._emit_all(done)
-
-    def _emit_all(self, done: list[tuple]) -> None:
         for call, out, scored in done:
             self._take_scores(out, scored)
             self._emit(call, out)
