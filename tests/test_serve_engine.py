@@ -2,6 +2,7 @@
 limits, no recompiles, the float8 cache, and sharded steps. Outputs are checked against k2jax.generate on
 each prompt alone (greedy, float32), which the parity tests tie to transformers."""
 
+import dataclasses
 import threading
 import time
 
@@ -641,3 +642,96 @@ def test_overlap_changes_no_output(model_params, solo):
     assert on[2][0] == solo(prompts[2], 12)[:5] and on[2][1] == "stop"
     assert len(on[3][0]) == 1 and on[3][1] == "length"
     assert on[5][0] == [] and len(on[5][2]) == len(prompts[5]) - 1
+
+
+def test_overlap_stays_on_beside_grammar_rows_and_their_masks_follow_the_tokens_read():
+    """Rows with a grammar (JSON, greedy and sampled) beside plain rows: with overlap every row's token is
+    still fed from the device, and a step where a grammar row samples is sent as its model pass alone, its
+    masks made after the step before's tokens are read (Runner.send, then Runner.sample). The tokens equal
+    the rectangular steps', whose masks are made before the step is sent, and the grammar rows' outputs are
+    JSON prefixes the independent decoder reads to the end once they finish."""
+    import json
+
+    from k2jax.runtime.layout import FROM_LAST
+    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+    from k2jax.synthetic import demo_tokenizer
+
+    tok = demo_tokenizer()
+    cfg = CFG.replace(vocab_size=tok.vocab_size)
+    model, params = k2jax.K2Model(cfg, jnp.float32), random_params(cfg, jnp.float32, seed=4)
+    grammars = GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size))
+    rng = np.random.default_rng(23)
+    prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (7, 19, 11, 4)]
+    json_object = {"response_format": {"type": "json_object"}}
+    params_of = [dict(max_tokens=30, grammar=json_object), dict(max_tokens=12),
+                 dict(max_tokens=30, grammar=json_object, temperature=1.0, seed=3), dict(max_tokens=16)]
+
+    def run(**kw):
+        eng = Engine(model, params, grammars=grammars, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE,
+                     kv_tokens=4096, **kw)
+        log = []
+        step, send, sample = eng.runner.step, eng.runner.send, eng.runner.sample
+        eng.runner.step = lambda shape, b: log.append(("step",)) or step(shape, b)
+        eng.runner.send = lambda shape, b: log.append(("send", b.tokens[b.valid].tolist())) or send(shape, b)
+        eng.runner.sample = lambda sent, mask: log.append(("sample", eng._pending == [])) or sample(sent, mask)
+        events = {i: [] for i in range(len(prompts))}
+        eng.submit(*[Request(list(p), SamplingParams(**kw), events[i].append)
+                     for i, (p, kw) in enumerate(zip(prompts, params_of))])
+        while any(not (e and e[-1].finish_reason) for e in events.values()):
+            eng.step()
+        eng.step()
+        assert eng.pool.in_use_count() == 0 and not eng.busy()
+        return [([t for e in ev for t in e.token_ids], ev[-1].finish_reason) for ev in events.values()], log
+
+    want, _ = run(ragged=False)
+    got, log = run()
+    assert got == want
+    sends = [e[1] for e in log if e[0] == "send"]
+    assert len(sends) >= 20 and not [e for e in log if e[0] == "step"]  # a grammar row sampled in every step
+    # each sampler runs after the step before's tokens were read
+    assert [e[1] for e in log if e[0] == "sample"] == [True] * len(sends)
+    # with grammar rows live, every decoding row's token came from the device: a step fed all four so
+    assert max(sum(t == FROM_LAST for t in s) for s in sends) == 4
+    for ids, finish in (got[0], got[2]):
+        text = tok.decode(ids)
+        if finish == "stop":
+            assert isinstance(json.JSONDecoder().raw_decode(text.lstrip())[0], dict), text
+        else:
+            assert finish == "length" and len(ids) == 30 and text.lstrip().startswith("{"), text
+    assert got[0][0] != got[2][0] and all(len(g[0]) > 0 for g in got)
+
+
+def test_a_ragged_steps_pass_then_sampler_equals_the_whole_step(model_params):
+    """The runtime runs a plain ragged step as two programs, the model's pass (Runner.send) and the sampler
+    (Runner.sample, its grammar mask given only then); the whole step is one program (`lower(whole=True)`,
+    what the TPU compile measures). A sampled row under a mask and a greedy one: the same tokens, logprobs,
+    pages and last tokens."""
+    from k2jax.runtime.layout import Feed, lay_out
+    from k2jax.runtime.runner import ragged_host_batch
+
+    eng = _engine(model_params)
+    runner, V = eng.runner, CFG.vocab_size
+    shape = next(s for s in eng.sched.shapes() if s.blocks and s.decode and not s.verify and not s.spread)
+    runner.compile([shape])
+    runner.set_sampling({0: eng._row_settings(SamplingParams(temperature=1.0, seed=3, logprobs=3)),
+                         1: eng._row_settings(SamplingParams(logprobs=2))})
+    batch = ragged_host_batch(shape, V)
+    for k, v in lay_out(shape, {0: Feed(tuple(range(40, 45)), 0, (1,)), 1: Feed((7,), 0, (2,))}).items():
+        getattr(batch, k)[...] = v
+    batch.prompt_len[:2] = (5, 1)
+    batch.reset[:2] = True
+    mask = np.full_like(batch.bitmask, -1)
+    mask[0] = np.random.default_rng(1).integers(-2**31, 2**31, mask.shape[1], dtype=np.int64).astype(np.int32)
+    whole = runner.lower(shape, whole=True).compile()
+    state, want = whole(runner._params_for(shape), jax.tree.map(jnp.copy, runner.state),
+                        dataclasses.replace(batch, bitmask=mask))
+    got = runner.sample(runner.send(shape, batch), mask)
+    np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:V]
+    assert allowed[int(got["tokens"][0])] and not allowed.all()
+    for k in ("logprob", "top_logprobs", "prompt_logprob"):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(runner.state["last"], state["last"])
+    np.testing.assert_array_equal(runner.state["last"][:2], got["tokens"][:2])
+    for a, b in zip(jax.tree.leaves(runner.state["pages"]), jax.tree.leaves(state["pages"])):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -172,7 +172,7 @@ def compile_program(runner: Runner, name: str, shape: StepShape, p: Plan, keep_h
     """Lower and compile one step of `runner`, then read the compiled program."""
     res = Result(name, shape)
     t0 = time.perf_counter()
-    lowered = runner.lower(shape)
+    lowered = runner.lower(shape, whole=True)  # a whole step, sampling included
     try:
         mem, text, cost = compiler_output(lowered, runner.mesh)
     except Exception as e:  # the compiler's own error types (XlaRuntimeError: RESOURCE_EXHAUSTED, ...)

@@ -30,7 +30,7 @@ from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
 from k2jax.runtime.layout import (DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput,
                                   lay_out)
-from k2jax.runtime.runner import Runner, neutral_batch
+from k2jax.runtime.runner import Runner, Sent, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
@@ -80,7 +80,9 @@ class Engine:
     read. Each row that step sampled feeds FROM_LAST, and the runner takes that token from its slot's last
     sampled one on the device. The host then reads the step before's tokens, for output, while the device
     runs the new step. A row whose read token ends it (a stop) was fed once more for nothing, and that output
-    is dropped; a row that reaches its max_tokens is not fed again (Seq.final).
+    is dropped; a row that reaches its max_tokens is not fed again (Seq.final). A row with a grammar needs
+    its last token for its mask: a step where one samples is sent as its model pass alone (Runner.send), and
+    its sampler follows once the step before's tokens are read and the masks made, while the pass runs.
 
     Speculative decoding (config.speculative, ragged steps only): each step where no prompt chunk runs, every
     decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
@@ -389,12 +391,18 @@ class Engine:
                 self.sched.ragged_inputs(call, batch)
             else:
                 self.sched.inputs(call, batch)
-            self._sampling(call, batch)
+            late = self._late_masks(call)
+            self._sampling(call, batch, masks=not late)
             scored = self._targets(call, batch)
-            done.append((call, self.runner.step(call.shape, batch), scored))
+            sent = self.runner.send(call.shape, batch) if late else self.runner.step(call.shape, batch)
+            done.append((call, sent, scored))
         # This step is sent. With overlap, read the step before's tokens while it runs: they finish rows this
         # step fed again (advance skips them), and the pages advance indexes hold them.
         self._flush()
+        # The grammar masks of a step sent without them, made while its model pass runs: each matcher has now
+        # taken its row's last token (read just above, with overlap).
+        done = [(call, self._sample_late(call, sent) if isinstance(sent, Sent) else sent, scored)
+                for call, sent, scored in done]
         for call, _, _ in done:
             self.sched.advance(call)
             if overlap:
@@ -412,10 +420,22 @@ class Engine:
 
     def _overlaps(self) -> bool:
         """Whether this step is sent before the step before's tokens are read (config.overlap): ragged steps,
-        no speculative decoding (drafts follow the last token), no live request with a grammar (its mask
-        does)."""
-        return (self.overlap and self.ragged and self.proposer is None
-                and all(s.req.matcher is None for s in self.sched.live()))
+        and no speculative decoding (drafts follow the last token)."""
+        return self.overlap and self.ragged and self.proposer is None
+
+    @staticmethod
+    def _late_masks(call) -> bool:
+        """Whether `call` is sent before its grammar masks are made (Runner.send, then `_sample_late`): a plain
+        ragged step where a row with a grammar samples. Its mask follows the row's last token, which with
+        overlap is read only after this step is sent; without, the masks are still made while the pass runs."""
+        return (isinstance(call, RaggedCall) and not call.shape.verify
+                and any(samples and seq.req.matcher is not None for (seq, _), samples in zip(call.rows, call.samples)))
+
+    def _sample_late(self, call: RaggedCall, sent: Sent) -> dict:
+        """Sample a sent pass with its rows' grammar masks, made now (see _late_masks)."""
+        bitmask = np.full(sent.batch.bitmask.shape, -1, np.int32)
+        self._masks(call, bitmask)
+        return self.runner.sample(sent, bitmask)
 
     def _in_flight(self, call: RaggedCall) -> None:
         """The call was sent and its tokens not read: each sampling row's next token is FROM_LAST until
@@ -476,24 +496,32 @@ class Engine:
         for q in rows:
             q.draft, q.shadow = q.draft[:best_k], (q.draft if not best_k else [])
 
-    def _sampling(self, call: Call, batch: StepInput | RaggedInput) -> None:
-        """Each row's generated count and grammar mask; a sequence's settings go to its slot on the device
-        (Runner.set_sampling) before its first step there, the only time they are sent. A step with no
-        grammar row takes the runner's all-allowed mask already on the device."""
-        fresh, masked = {}, False
-        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+    def _sampling(self, call: Call, batch: StepInput | RaggedInput, masks: bool = True) -> None:
+        """Each row's generated count and (masks) grammar mask; a sequence's settings go to its slot on the
+        device (Runner.set_sampling) before its first step there, the only time they are sent. A step with no
+        grammar row, or whose masks are made later (masks=False), takes the runner's all-allowed mask already
+        on the device."""
+        fresh = {}
+        for i, (seq, _) in enumerate(call.rows):
             if seq is None:
                 continue
-            r = seq.req
             batch.step[i] = seq.generated
             if seq.new_slot:
-                fresh[seq.slot] = self._row_settings(r.params)
-            if samples and r.matcher is not None:
-                r.matcher.fill_bitmask(batch.bitmask[i])
-                masked = True
+                fresh[seq.slot] = self._row_settings(seq.req.params)
         self.runner.set_sampling(fresh)
-        if not masked:
+        if not (masks and self._masks(call, batch.bitmask)):
             batch.bitmask = self.runner.neutral_mask(call.shape)
+
+    @staticmethod
+    def _masks(call: Call, bitmask_BW: np.ndarray) -> bool:
+        """Fill the mask row of each sampling row with a grammar (a finished one's stays all-allowed: its token
+        is not output) -> whether any was."""
+        masked = False
+        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
+            if samples and seq is not None and seq.req.matcher is not None and not seq.req.finished:
+                seq.req.matcher.fill_bitmask(bitmask_BW[i])
+                masked = True
+        return masked
 
     def _targets(self, call: Call, batch: StepInput | RaggedInput) -> list[tuple]:
         """Set the targets of the rows that score their prompt (each fed prompt token's successor, for the

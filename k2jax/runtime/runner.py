@@ -19,7 +19,9 @@ blocks and the rows, and one program serves every cache length. On a mesh the fl
 data-parallel shard (RaggedShape.shards, the runner's shard count), split over the chips like the slots,
 each shard attending over its own rows and pages. A verifying ragged step (speculative decoding:
 RaggedShape.verify) samples at every decode token, each verifying the draft fed after it in its
-row, and says how many tokens each row outputs (`_verify`).
+row, and says how many tokens each row outputs (`_verify`). Any other ragged step runs as two programs: the
+model's pass (`send`), then the sampler over every row's logits (`sample`; one program for every ragged
+shape), so the host can make grammar masks that wait on the step before's tokens while the pass runs.
 
 Per-slot state beside the pool, split over the mesh like the slots: output counts [slots, V] int32 and a
 prompt-token mask [slots, V] bool for the penalties, each slot's sampling settings, and the last token each
@@ -39,6 +41,7 @@ import dataclasses
 import math
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +83,15 @@ def neutral_batch(shape, vocab_size: int) -> StepInput | RaggedInput:
     return (ragged_host_batch if isinstance(shape, RaggedShape) else host_batch)(shape, vocab_size)
 
 
+class Sent(NamedTuple):
+    """A plain ragged step whose model pass is dispatched and whose rows are not sampled yet (Runner.send)."""
+
+    shape: RaggedShape
+    batch: RaggedInput  # as the pass took it (on the device, on a mesh)
+    logits: jax.Array  # [B, V]
+    scores: dict  # the prompt scores (see Runner.step)
+
+
 for _cls in (StepInput, RaggedInput):  # jit takes them as pytrees of their fields
     jax.tree_util.register_dataclass(_cls, data_fields=list(_cls.fields()), meta_fields=[])
 
@@ -113,6 +125,7 @@ class Runner:
         self.pad = token_width(self.cfg, lane(mesh)) - token_width(self.cfg)  # a TPU pool's (k2jax.ops.paged)
         self._compiled: dict[StepShape, object] = {}
         self._set_samp = None  # set_sampling's program (compiled with the first steps)
+        self._sampler = None  # the plain ragged steps' sampler (compiled with the first of them)
         self._masks: dict = {}  # {shape: neutral_mask(shape)}
         self._batch_sh: dict = {}  # {shape: _shardings(shape)}
         if abstract:
@@ -155,7 +168,19 @@ class Runner:
 
     def _ragged(self, params, state, batch, shape: RaggedShape):
         """One ragged step (k2jax.ops.ragged): row b is slot b; the same outputs as _step, per row, and the
-        prompt scores per flat token [T]. The model takes the flat batch as its S segments [S, T / S]."""
+        prompt scores per flat token [T]. The plain form of the runtime's two programs: the model's pass
+        (`_pass`), then the sampler (`_sample`); a verifying step is one program."""
+        state, logits_XV, scores, batch = self._pass(params, state, batch, shape)
+        if shape.verify:  # (no step after it is fed FROM_LAST: the engine's overlap stops while it drafts)
+            return state, _verify(logits_XV, batch, state["samp"] | {"step": batch.step}) | scores
+        last_B, out = _sample(state, logits_XV, batch.count, batch.step, batch.bitmask)
+        return state | {"last": last_B}, out | scores
+
+    def _pass(self, params, state, batch, shape: RaggedShape):
+        """A ragged step's model pass: the pool written, the penalties' counts and prompt mask updated ->
+        (state, logits at each row's last fed token [B, V] (a verifying step: at every decode token [D, V]),
+        the prompt scores per flat token, the batch with its FROM_LAST tokens taken from the device). The model
+        takes the flat batch as its S segments [S, T / S]."""
         row_T, valid_T = batch.row, batch.valid
         # A fed token of -1 (FROM_LAST) is its row's last sampled token, still on the device: the host planned
         # this step before it read the step before's tokens (the engine's overlap).
@@ -181,15 +206,8 @@ class Runner:
         in_prompt_T = valid_T & (batch.pos < batch.prompt_len[row_T])
         seen_BV = seen_BV.at[row_T, tok_T].max(in_prompt_T)
         counts_BV = counts_BV.at[row_T, tok_T].add((valid_T & ~in_prompt_T).astype(counts_BV.dtype))
-        samp = state["samp"] | {"step": batch.step}  # row b is slot b
-        if shape.verify:  # (no step after it is fed FROM_LAST: the engine's overlap stops while it drafts)
-            out = _verify(logits_XV, batch, samp)
-            last_B = state["last"]
-        else:
-            out = sampling.sample_rows(logits_XV, samp, counts_BV, seen_BV, batch.bitmask)
-            last_B = jnp.where(batch.count > 0, out["tokens"], state["last"])
-        return ({"pages": cache.pages, "scales": cache.scales, "counts": counts_BV, "seen": seen_BV,
-                 "last": last_B, "samp": state["samp"]}, out | scores)
+        state = dict(state, pages=cache.pages, scales=cache.scales, counts=counts_BV, seen=seen_BV)
+        return state, logits_XV, scores, batch
 
     def _prompt_scores(self, params, h_BTD, targets_BT) -> dict:
         """The prompt_* outputs (see `step`): computed only when some row has a target."""
@@ -275,23 +293,55 @@ class Runner:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, sh)
 
-    def lower(self, shape: StepShape, params=None, state=None):
-        """The step of `shape` lowered (not compiled) on abstract or concrete arguments."""
+    def lower(self, shape: StepShape, params=None, state=None, whole: bool = False):
+        """The program the runtime runs for `shape`, lowered (not compiled) on abstract or concrete arguments.
+        A plain (not verifying) ragged step runs as two programs: this one, the model's pass -> (state, logits
+        [B, V], prompt scores), then the sampler (`_lower_sampler`), so the sampler can take grammar masks the
+        host makes while the pass runs (`send`, `sample`). whole=True: any step as one program, sampling
+        included (`_ragged`: the same computation; the TPU compile's figures are a whole step's)."""
         params = self._params_for(shape) if params is None else params
         state = self.state if state is None else state
         batch = self.batch_shapes(shape)
         # On a mesh the state comes back placed as it went in (else the compiler may choose another
         # placement, which the next step's executable would not accept) and the sampled outputs replicated.
-        out = {} if self.mesh is None else {"out_shardings": (jax.tree.map(lambda x: x.sharding, state),
-                                                              NamedSharding(self.mesh, PartitionSpec()))}
+        placed = None if self.mesh is None else jax.tree.map(lambda x: x.sharding, state)
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        out = {} if self.mesh is None else {"out_shardings": (placed, replicated)}
         if isinstance(shape, RaggedShape):
             if shape.rows != self.slots:
                 raise ValueError(f"a ragged step's rows are the {self.slots} slots, not {shape.rows}")
-            fn = jax.jit(lambda p, s, b: self._ragged(p, s, b, shape), donate_argnums=(1,), **out)
+            if whole or shape.verify:
+                fn = jax.jit(lambda p, s, b: self._ragged(p, s, b, shape), donate_argnums=(1,), **out)
+            else:
+                if self.mesh is not None:  # the logits split like the rows, as the sampler takes them
+                    out = {"out_shardings": (placed, self._logits_sharding(shape), replicated)}
+                fn = jax.jit(lambda p, s, b: self._pass(p, s, b, shape)[:3], donate_argnums=(1,), **out)
         else:
             fn = jax.jit(lambda p, s, b: self._step(p, s, b, shape.read_pages), donate_argnums=(1,), **out)
         with self._context():
             return fn.lower(params, state, batch)
+
+    def _logits_sharding(self, shape: RaggedShape):
+        """A plain ragged step's logits [B, V]: rows split like the step's per-row inputs, the vocabulary whole."""
+        return NamedSharding(self.mesh, PartitionSpec(self._shardings(shape).count.spec[0], None))
+
+    def _lower_sampler(self, shape: RaggedShape, logits):
+        """The sampler of plain ragged steps (`_sample`), lowered for `shape`'s rows and `logits` (the pass's
+        jax.ShapeDtypeStruct): one program serves every ragged shape (their rows are the slots). It reads the
+        penalty state and settings and gives each slot's last token back (donated)."""
+        def struct(x, sharding=None):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if self.mesh is not None else None)
+
+        keep = {k: jax.tree.map(lambda x: struct(x, x.sharding if self.mesh is not None else None), self.state[k])
+                for k in ("counts", "seen", "samp")}
+        last = struct(self.state["last"], self.state["last"].sharding if self.mesh is not None else None)
+        b = self.batch_shapes(shape)
+        logits = struct(logits, self._logits_sharding(shape) if self.mesh is not None else None)
+        out = {} if self.mesh is None else {"out_shardings": (last.sharding,
+                                                              NamedSharding(self.mesh, PartitionSpec()))}
+        fn = jax.jit(lambda k, l, x, c, s, m: _sample(k | {"last": l}, x, c, s, m), donate_argnums=(1,), **out)
+        with self._context():
+            return fn.lower(keep, last, logits, b.count, b.step, b.bitmask)
 
     def compile(self, shapes, on_progress=None, threads: int | None = None, on_start=None) -> float:
         """Compile the step of each shape (each once); -> seconds. on_progress(done, total, shape) after each;
@@ -310,10 +360,15 @@ class Runner:
             for shape in todo:  # tracing is quick, and not thread-safe with the mesh context: here
                 lowered[shape] = self.lower(shape)
                 futures[pool.submit(_compile, lowered[shape], shape, on_start)] = shape
+                if self._sampler is None and isinstance(shape, RaggedShape) and not shape.verify:
+                    self._sampler = pool.submit(lambda x: x.compile(),
+                                                self._lower_sampler(shape, lowered[shape].out_info[1]))
             for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
                 self._compiled[futures[f]] = f.result()
                 if on_progress is not None:
                     on_progress(i, len(todo), futures[f])
+            if isinstance(self._sampler, concurrent.futures.Future):
+                self._sampler = self._sampler.result()
         return time.perf_counter() - t0
 
     def set_params(self, params) -> None:
@@ -343,6 +398,8 @@ class Runner:
         [B, T], "prompt_rank" [B, T], "prompt_top_ids", "prompt_top_logprobs" [B, T, MAX_TOP_LOGPROBS], from
         the model's own log-softmax (no sampling settings), zeros where there is no target
         (k2jax.ops.logprobs.token_logprobs); dispatched asynchronously."""
+        if isinstance(shape, RaggedShape) and not shape.verify:
+            return self.sample(self.send(shape, batch))
         if shape not in self._compiled:
             self.compile([shape])
         sh = self._shardings(shape)
@@ -350,6 +407,29 @@ class Runner:
             batch = jax.device_put(batch, sh)
         self.state, out = self._compiled[shape](self._params_for(shape), self.state, batch)
         return out
+
+    def send(self, shape: RaggedShape, batch: RaggedInput) -> "Sent":
+        """Dispatch a plain ragged step's model pass (the pool written); `sample(sent)` then samples its rows.
+        Between the two the host may fill grammar masks the batch did not have yet: `step` is sample(send)."""
+        if shape not in self._compiled:
+            self.compile([shape])
+        sh = self._shardings(shape)
+        if sh is not None:
+            batch = jax.device_put(batch, sh)
+        self.state, logits, scores = self._compiled[shape](self._params_for(shape), self.state, batch)
+        return Sent(shape, batch, logits, scores)
+
+    def sample(self, sent: "Sent", bitmask=None) -> dict:
+        """Sample the rows of a sent pass -> `step`'s outputs. bitmask [B, V / 32] int32 (host or device):
+        the grammar masks, if not the batch's own."""
+        mask = sent.batch.bitmask
+        if bitmask is not None:
+            sh = self._shardings(sent.shape)
+            mask = jax.device_put(bitmask, sh.bitmask) if sh is not None else bitmask
+        keep = {k: self.state[k] for k in ("counts", "seen", "samp")}
+        last, out = self._sampler(keep, self.state["last"], sent.logits, sent.batch.count, sent.batch.step, mask)
+        self.state = dict(self.state, last=last)
+        return out | sent.scores
 
 
     def neutral_mask(self, shape):
@@ -392,6 +472,15 @@ class Runner:
         with self._context():
             return jax.jit(put, donate_argnums=(0,), **out).lower(
                 self.state["samp"], jax.ShapeDtypeStruct((self.slots,), jnp.int32), shapes)
+
+
+def _sample(state, logits_BV, count_B, step_B, bitmask_BW):
+    """A ragged step's sampler: each row's token from its logits [B, V] with its slot's settings and penalty
+    state (row b is slot b) and its grammar mask [B, V / 32] -> (each slot's last token [B]: the sampled one
+    where the row was fed, else as it was; sampling.sample_rows' outputs)."""
+    out = sampling.sample_rows(logits_BV, state["samp"] | {"step": step_B}, state["counts"], state["seen"],
+                               bitmask_BW)
+    return jnp.where(count_B > 0, out["tokens"], state["last"]), out
 
 
 def _verify(logits_DV, batch, samp: dict) -> dict:
