@@ -9,6 +9,11 @@ host's; with it the host's work for step n+1 runs while the device runs step n.
 
     python bench/overlap.py                       # bench config, 32 requests, 16 at a time
     python bench/overlap.py --requests 64 --max-batch 32
+    python bench/overlap.py --grammar 4           # every 4th request's output is JSON (a grammar)
+
+--grammar N gives every N-th request a JSON grammar (response_format json_object), over the demo tokenizer
+(the config's vocabulary is made its size). A step where such a row samples is sent as its model pass, and
+its masks are made while the pass runs, after the step before's tokens are read.
 """
 
 from __future__ import annotations
@@ -57,22 +62,35 @@ def main():
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating (the best is kept)")
+    ap.add_argument("--grammar", type=int, default=0, metavar="N",
+                    help="every N-th request's output is constrained to JSON (default 0: none)")
     args = ap.parse_args()
 
     import k2jax
     from k2jax.runtime.engine import Engine
     from k2jax.testing import random_params
 
-    cfg = k2jax.K2Config.from_hf_config(args.config)
+    cfg, grammars = k2jax.K2Config.from_hf_config(args.config), None
+    if args.grammar:
+        from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+        from k2jax.synthetic import demo_tokenizer
+
+        tok = demo_tokenizer()
+        cfg = cfg.replace(vocab_size=tok.vocab_size)
+        grammars = GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size))
     jobs = workload(args.requests, args.min_prompt, args.max_prompt, args.min_new, args.max_new, cfg.vocab_size)
+    if args.grammar:
+        json_object = {"grammar": {"response_format": {"type": "json_object"}}}
+        jobs = [(p, n, json_object) if i % args.grammar == 0 else (p, n) for i, (p, n) in enumerate(jobs)]
     dt = jnp.dtype(args.dtype)
     eng = Engine(k2jax.K2Model(cfg, dt), random_params(cfg, dt, seed=0), max_batch=args.max_batch,
                  max_len=args.max_prompt + args.max_new, prefill_chunk=args.prefill_chunk, max_queue=len(jobs),
-                 prefix_cache=False)  # each run prefills its prompts afresh
+                 prefix_cache=False, grammars=grammars)  # each run prefills its prompts afresh
     t0 = time.perf_counter()
     eng.warm_up()
+    constrained = f", every {args.grammar}th with a JSON grammar" if args.grammar else ""
     print(f"{jax.devices()[0].device_kind}; engine warmed up in {time.perf_counter() - t0:.0f} s; "
-          f"{args.requests} requests, {args.concurrency} at a time, {args.dtype}", flush=True)
+          f"{args.requests} requests{constrained}, {args.concurrency} at a time, {args.dtype}", flush=True)
     best = {}
     for r in range(args.repeats):
         for overlap in ((True, False) if r % 2 == 0 else (False, True)):

@@ -153,15 +153,15 @@ def stop(proc):
 
 
 def closed_loop(eng, jobs, concurrency: int) -> tuple[int, int, float]:
-    """The jobs ((prompt, new tokens) each, greedy) through an Engine on this thread in a closed loop:
-    `concurrency` at a time, the next submitted as one ends, stepped until every one has ended and nothing
-    sent is left unread -> (output tokens, engine steps, wall seconds)."""
+    """The jobs ((prompt, new tokens) each, greedy; a third item: more SamplingParams fields) through an Engine
+    on this thread in a closed loop: `concurrency` at a time, the next submitted as one ends, stepped until
+    every one has ended and nothing sent is left unread -> (output tokens, engine steps, wall seconds)."""
     from k2jax.runtime.requests import Request, SamplingParams
 
     queue, tokens, live = list(range(len(jobs))), [0], [0]
 
     def submit():
-        p, n = jobs[queue.pop(0)]
+        p, n, *more = jobs[queue.pop(0)]
         live[0] += 1
 
         def on(e):
@@ -171,7 +171,7 @@ def closed_loop(eng, jobs, concurrency: int) -> tuple[int, int, float]:
                 if queue:
                     submit()
 
-        eng.submit(Request(list(p), SamplingParams(max_tokens=n, temperature=0.0), on))
+        eng.submit(Request(list(p), SamplingParams(max_tokens=n, temperature=0.0, **(more[0] if more else {})), on))
 
     for _ in range(min(concurrency, len(jobs))):
         submit()
