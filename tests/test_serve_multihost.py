@@ -50,6 +50,20 @@ def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
         got = asyncio.run(main())
         assert got == want
         assert asyncio.run(main()) == want  # and again, with the slots reused
+
+        async def constrained():  # grammar rows beside free ones: each process makes its rows' masks
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none") as c:
+                chats = [c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                   response_format={"type": "json_object"}, max_tokens=6,
+                                                   temperature=0) for i in range(2)]
+                free = [c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0,
+                                             extra_body={"ignore_eos": True}) for p, n in zip(PROMPTS[:2], NEW)]
+                return await asyncio.gather(*chats, *free)
+
+        rs = asyncio.run(constrained())
+        for r in rs[:2]:
+            assert r.choices[0].message.content.lstrip().startswith("{"), r.choices[0].message.content
+        assert [r.choices[0].token_ids for r in rs[2:]] == want[:2]
         # A stream in flight at SIGTERM: it finishes within the drain or ends with "abort", then [DONE]; both
         # processes stop (process 1 also ignores a SIGTERM of its own).
         lines, started = [], threading.Event()
