@@ -62,6 +62,13 @@ class ScriptedRunner:
         return {"tokens": jnp.asarray(tokens), "logprob": jnp.zeros(B, jnp.float32),
                 "top_ids": jnp.full((B, 20), -1, jnp.int32), "top_logprobs": jnp.zeros((B, 20), jnp.float32)}
 
+    def send(self, shape, batch):
+        """A step with grammar rows (Runner.send, then sample): the scripts need no mask."""
+        return self.step(shape, batch)
+
+    def sample(self, sent, bitmask=None) -> dict:
+        return sent
+
     def _record(self, b, batch, seed) -> None:
         count, start, plen = int(batch.count[b]), int(batch.lengths[b]), int(batch.prompt_len[b])
         if count == 0 or start >= plen:  # an empty row, or a decode row

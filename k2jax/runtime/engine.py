@@ -30,7 +30,7 @@ from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
 from k2jax.runtime.layout import (DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput,
                                   lay_out)
-from k2jax.runtime.runner import Runner, Sent, neutral_batch
+from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
@@ -395,14 +395,13 @@ class Engine:
             self._sampling(call, batch, masks=not late)
             scored = self._targets(call, batch)
             sent = self.runner.send(call.shape, batch) if late else self.runner.step(call.shape, batch)
-            done.append((call, sent, scored))
+            done.append((call, sent, scored, late))
         # This step is sent. With overlap, read the step before's tokens while it runs: they finish rows this
         # step fed again (advance skips them), and the pages advance indexes hold them.
         self._flush()
         # The grammar masks of a step sent without them, made while its model pass runs: each matcher has now
         # taken its row's last token (read just above, with overlap).
-        done = [(call, self._sample_late(call, sent) if isinstance(sent, Sent) else sent, scored)
-                for call, sent, scored in done]
+        done = [(call, self._sample_late(call, sent) if late else sent, scored) for call, sent, scored, late in done]
         for call, _, _ in done:
             self.sched.advance(call)
             if overlap:
@@ -429,11 +428,12 @@ class Engine:
         ragged step where a row with a grammar samples. Its mask follows the row's last token, which with
         overlap is read only after this step is sent; without, the masks are still made while the pass runs."""
         return (isinstance(call, RaggedCall) and not call.shape.verify
-                and any(samples and seq.req.matcher is not None for (seq, _), samples in zip(call.rows, call.samples)))
+                and any(samples and seq is not None and seq.req.matcher is not None
+                        for (seq, _), samples in zip(call.rows, call.samples)))
 
-    def _sample_late(self, call: RaggedCall, sent: Sent) -> dict:
-        """Sample a sent pass with its rows' grammar masks, made now (see _late_masks)."""
-        bitmask = np.full(sent.batch.bitmask.shape, -1, np.int32)
+    def _sample_late(self, call: RaggedCall, sent) -> dict:
+        """Sample a sent pass (Runner.send's) with its rows' grammar masks, made now (see _late_masks)."""
+        bitmask = np.full((call.shape.rows, -(-self.model.cfg.vocab_size // 32)), -1, np.int32)
         self._masks(call, bitmask)
         return self.runner.sample(sent, bitmask)
 
@@ -512,16 +512,14 @@ class Engine:
         if not (masks and self._masks(call, batch.bitmask)):
             batch.bitmask = self.runner.neutral_mask(call.shape)
 
-    @staticmethod
-    def _masks(call: Call, bitmask_BW: np.ndarray) -> bool:
+    def _masks(self, call: Call, bitmask_BW: np.ndarray) -> bool:
         """Fill the mask row of each sampling row with a grammar (a finished one's stays all-allowed: its token
-        is not output) -> whether any was."""
-        masked = False
-        for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples)):
-            if samples and seq is not None and seq.req.matcher is not None and not seq.req.finished:
-                seq.req.matcher.fill_bitmask(bitmask_BW[i])
-                masked = True
-        return masked
+        is not output), all at once on the grammar library's threads -> whether any was."""
+        rows = [(seq.req.matcher, i) for i, ((seq, _), samples) in enumerate(zip(call.rows, call.samples))
+                if samples and seq is not None and seq.req.matcher is not None and not seq.req.finished]
+        if rows:
+            self.grammars.fill_bitmasks(rows, bitmask_BW)
+        return bool(rows)
 
     def _targets(self, call: Call, batch: StepInput | RaggedInput) -> list[tuple]:
         """Set the targets of the rows that score their prompt (each fed prompt token's successor, for the

@@ -291,6 +291,11 @@ class GrammarCompiler:
         self._free_token = "<[^" + ",".join(map(str, out)) + "]>"
 
     # --------------------------------------------------------------------------------------- entry points
+    @staticmethod
+    def fill_bitmasks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask_BW: np.ndarray) -> None:
+        """`fill_bitmasks`: several matchers' masks into their rows of bitmask_BW at once."""
+        fill_bitmasks(rows, bitmask_BW)
+
     def for_request(self, *, response_format: dict | None = None, tools: list[dict] | None = None,
                     tool_choice=None, reasoning: bool = False, reasoning_at_start: bool = False,
                     parallel: bool = True, call_offset: int = 0, whitespace: str | None = None,
