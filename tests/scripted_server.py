@@ -7,6 +7,7 @@ detokenizer and output parsers) with the engine's runner replaced by one that em
 (the request's `seed`, or choice i's derived seed, taken modulo 2**32 as the engine does) has a script
 emits that text's tokens (tokenized with allow_special=True), one per step, then <|im_end|>; a row with no
 script emits <|im_end|> at once.
+--fail-seed N: a step that feeds a row of seed N raises (a failed step: the engine stops, the server exits 1).
 --record: every request's whole prompt, as the engine feeds it, is appended as a JSON line {"seed", "prompt"}
 when its prefill completes (serve with --no-prefix-cache so that no prompt token comes from the cache).
 SERVE-ARGS are `k2jax serve`'s; --tokenizer DIR is required (--hf-checkpoint / --checkpoint / --demo is
@@ -28,6 +29,7 @@ class ScriptedRunner:
 
     scripts: dict[int, list[int]] = {}
     end_id: int = 0
+    fail_seed: int | None = None
     record: Path | None = None
 
     def __init__(self, model, params, *, slots, num_pages, page_size, kv_dtype=None, mesh=None):
@@ -56,6 +58,8 @@ class ScriptedRunner:
         for b in range(B):
             slot = b if hasattr(batch, "row") else int(batch.slot[b])
             seed, step = self._seeds[slot], int(batch.step[b])
+            if seed == self.fail_seed and int(batch.count[b]) > 0:
+                raise RuntimeError(f"scripted failure: a row of seed {seed}")
             script = self.scripts.get(seed, [])
             tokens[b] = script[step] if step < len(script) else self.end_id
             self._record(b, batch, seed)
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
     own = argparse.ArgumentParser()
     own.add_argument("--scripts", required=True)
     own.add_argument("--record")
+    own.add_argument("--fail-seed", type=int)
     mine, rest = own.parse_known_args(argv)
 
     from k2jax.runtime import engine as engine_module
@@ -111,6 +116,7 @@ def main(argv=None) -> int:
                                   for k, v in json.loads(Path(mine.scripts).read_text()).items()}
         ScriptedRunner.end_id = tok.special_tokens["<|im_end|>"]
         ScriptedRunner.record = Path(mine.record) if mine.record else None
+        ScriptedRunner.fail_seed = mine.fail_seed
         params = {"embed_tokens": np.zeros((1, 1), np.float32)}  # the engine reads its dtype only
         return k2jax.K2Model(cfg, jnp.float32), params, tok, args.model_name or "scripted", None
 

@@ -327,3 +327,57 @@ def test_an_agent_loop_over_http(k2, oracle, files, tok):
     text = tok.decode(prompt)
     assert ("<|im_assistant|>assistant<|im_middle|>" + SCRIPTS[10][0] + "<|im_end|><|im_system|>tool<|im_middle|>"
             "## Return of functions.get_weather:0\n" + result + "<|im_end|>") in text
+
+
+def test_a_failed_step_ends_every_request_and_stops_the_server(files):
+    """A step that raises (the scripted runner, on a row of one seed; a device or compiler error would do the
+    same): the requests in flight end with "abort" (a stream with it, then [DONE]; a request with no token yet
+    gets a 503), /health says why with a 503 until the process exits, with status 1 (for a supervisor to start
+    it afresh), and the log says which step failed."""
+    import subprocess
+    import threading
+
+    import httpx
+
+    from tests.serve_util import REPO, env, wait_ready
+
+    root, tok_dir = files
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.scripted_server", "--scripts", str(root / "scripts.json"), "--fail-seed",
+            "666", "--demo", "--tokenizer", str(tok_dir), "--port", str(port), "--max-len", "2048", "--max-batch",
+            "4", "--model-name", "scripted"]
+    proc = subprocess.Popen(argv, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready(port, [proc])
+        lines, started = [], threading.Event()
+
+        def stream():  # no script for its seed: it emits the end token, ignored, until the step fails
+            body = {"model": "scripted", "prompt": "x", "max_tokens": 2000, "seed": 7, "stream": True,
+                    "ignore_eos": True}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+                for ln in r.iter_lines():
+                    if ln:
+                        lines.append(ln)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model="scripted", prompt="y", max_tokens=8, seed=666)
+        assert e.value.status_code == 503 and "aborted after 0 tokens" in str(e.value)
+        reader.join(60)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort", lines[-3:]
+        try:
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            assert health.status_code == 503 and "scripted failure" in health.json()["error"], health.text
+        except httpx.TransportError:  # the process had stopped already
+            pass
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+    assert "a step failed: RuntimeError: scripted failure: a row of seed 666" in out, out[-3000:]

@@ -735,3 +735,29 @@ def test_a_ragged_steps_pass_then_sampler_equals_the_whole_step(model_params):
     np.testing.assert_array_equal(runner.state["last"][:2], got["tokens"][:2])
     for a, b in zip(jax.tree.leaves(runner.state["pages"]), jax.tree.leaves(state["pages"])):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_failed_step_ends_every_request_and_refuses_new_ones(model_params):
+    """A step that raises stops the engine thread: the running and the waiting requests end with "abort",
+    on_fail is told why, and submit raises EngineStopped from then on."""
+    from k2jax.runtime.requests import EngineStopped
+
+    eng = _engine(model_params, max_batch=1)
+    told = []
+    eng.on_fail = told.append
+
+    def broken(*_):
+        raise RuntimeError("device lost")
+
+    eng.runner.step = eng.runner.send = broken
+    events = {i: [] for i in range(3)}
+    eng.submit(*[Request(p, SamplingParams(max_tokens=4), events[i].append)
+                 for i, p in enumerate(_prompts(5, (3, 4, 5)))])
+    thread = threading.Thread(target=eng.run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert [[e.finish_reason for e in ev] for ev in events.values()] == [["abort"]] * 3
+    assert told == ["RuntimeError: device lost"] and eng.failed == told[0]
+    with pytest.raises(EngineStopped, match="device lost"):
+        eng.submit(Request([5], SamplingParams(max_tokens=2), lambda e: None))

@@ -18,6 +18,7 @@ on the engine thread: keep it short (the HTTP layer hands the event to its event
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -34,10 +35,12 @@ from k2jax.runtime.runner import Runner, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
-from k2jax.runtime.requests import Event, QueueFull, Request, SamplingParams
+from k2jax.runtime.requests import EngineStopped, Event, QueueFull, Request, SamplingParams
 from k2jax.runtime.scheduler import Call, RaggedCall, Scheduler, Seq
 from k2jax.runtime.settings import EngineConfig
 from k2jax.sharding import use_mesh
+
+log = logging.getLogger("k2jax.engine")
 
 SPEC_MARGIN = 1.1  # drafts are fed where their step's expected tokens per second beat a decode's by this
 
@@ -137,6 +140,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._stop = False
         self.overlap = c.overlap
+        self.failed: str | None = None  # why a step failed: the engine thread then ends every request and stops
+        self.on_fail: Callable[[str], None] | None = None  # told why, on the engine thread (the server stops)
         self._pending: list[tuple] = []  # the sent step whose tokens are not read yet: [(call, outputs, scored)]
 
     # --- other threads -----------------------------------------------------------------------------
@@ -172,6 +177,8 @@ class Engine:
                     raise ValueError("response_format: structured output needs a tokenizer (--tokenizer DIR)")
                 req.matcher = self.grammars.for_request(**req.params.grammar).matcher()
         with self._lock:
+            if self.failed is not None:
+                raise EngineStopped(f"the engine stopped after a step failed ({self.failed})")
             if self._queued() + len(reqs) > self.max_queue:
                 self.metrics.rejected += len(reqs)
                 raise QueueFull(f"{self.max_queue} requests already waiting for a slot")
@@ -310,9 +317,28 @@ class Engine:
                 self.step()
 
     def run(self) -> None:
-        """Step until stop(); sleeps while there is nothing to do."""
+        """Step until stop(); sleeps while there is nothing to do. A step that raises (the device, the compiler,
+        a bug) stops the engine: every request ends with "abort", submit raises EngineStopped from then on, and
+        on_fail is told why (the server shuts down, so that its supervisor starts it afresh)."""
         with self._context():
-            self._run()
+            try:
+                self._run()
+            except Exception as e:
+                self._fail(e)
+
+    def _fail(self, e: Exception) -> None:
+        log.exception("a step failed: the engine stops and ends every request")
+        with self._lock:
+            self.failed = f"{type(e).__name__}: {e}"
+            reqs = [*self._inbox, *(s.req for s in [*self.sched.waiting, *self.sched.live()])]
+            self._inbox = []
+        for r in reqs:
+            if not r.finished:
+                r.finished = True
+                with contextlib.suppress(Exception):  # its detokenizer may be what failed
+                    r.on_event(Event("", [], "abort", len(r.prompt), len(r.out), cached_tokens=r.cached_tokens))
+        if self.on_fail is not None:
+            self.on_fail(self.failed)
 
     def _run(self) -> None:
         while True:

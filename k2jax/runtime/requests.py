@@ -13,6 +13,10 @@ class QueueFull(Exception):
     """The waiting queue is at its limit: try again later."""
 
 
+class EngineStopped(Exception):
+    """A step failed and the engine stopped: it ended every request ("abort") and takes no more."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request settings. temperature 0 = greedy; top_k 0 = all; stop_ids end the output (not included in

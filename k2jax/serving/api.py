@@ -40,7 +40,7 @@ from k2jax.serving import openai_fields as fields
 from k2jax.serving.chat_template import ChatTemplate
 from k2jax.runtime.detok import TokenText
 from k2jax.runtime.engine import Engine
-from k2jax.runtime.requests import QueueFull, Request
+from k2jax.runtime.requests import EngineStopped, QueueFull, Request
 from k2jax.serving.oplog import AccessLog
 from k2jax.serving.openai_fields import BadRequest
 from k2jax.serving.responses import Choice, Chunks, Names, response
@@ -130,6 +130,8 @@ def make_app(engine: Engine, tokenizer, model_name: str, *, chat_template: ChatT
 
     @app.get("/health")
     async def health():
+        if engine.failed is not None:
+            return JSONResponse({"status": "error", "error": engine.failed}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
@@ -274,6 +276,8 @@ async def _generate(http, engine: Engine, state: ServeState, job: fields.Job, t0
                               code="server_shutting_down")
     try:
         engine.submit(*reqs)
+    except EngineStopped as e:
+        return error_response(503, f"{e}; the server is shutting down", code="engine_stopped")
     except QueueFull as e:
         return error_response(429, f"the server is busy ({e}); retry later", None, "queue_full",
                               headers={"Retry-After": str(RETRY_AFTER_S)}, kind="rate_limit_exceeded")

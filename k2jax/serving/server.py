@@ -427,7 +427,7 @@ def _run(args, sock) -> int:
         thread.join(timeout=90)
         if multi:
             jax.distributed.shutdown()
-    return 0
+    return 1 if engine.failed is not None else 0
 
 
 def _serve(args, sock, engine, tok, template, name, log) -> None:
@@ -443,6 +443,7 @@ def _serve(args, sock, engine, tok, template, name, log) -> None:
     server = _server_class()(config)
     life = _Lifecycle(server, engine, state, args, sock, name, log)
     server.on_started, server.on_signal = life.started, life.signal
+    engine.on_fail = life.failed
     # After the server stops, uvicorn restores the handlers it found; these ignore a late signal, so the engine
     # and (multi-host) the other processes are still stopped in order below.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -511,6 +512,13 @@ class _Lifecycle:
             self.hurry.set()
         else:
             self.server.should_exit = self.server.force_exit = True
+
+    def failed(self, why: str) -> None:
+        """On the engine thread, after a step failed and the engine ended every request: stop serving (exit
+        status 1), so that a supervisor starts the server afresh; /health says why until then."""
+        self.log.error(f"a step failed: {why}; every request ended with 'abort'; stopping")
+        self.state.draining = True
+        self.server.should_exit = True
 
     async def _idle(self) -> None:
         while self.state.inflight:
