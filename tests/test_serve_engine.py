@@ -486,16 +486,37 @@ def test_scripted_drafts_are_all_accepted_or_all_rejected(model_params, solo, ri
         assert m.spec_accepted == 0 and len(steps) == n
 
 
-def test_penalised_rows_are_not_verified(model_params):
-    """A penalised request counts its own tokens: it is never verified, and the step it decodes in runs without
-    drafts; the output is the engine's without speculation."""
-    prompts = _prompts(7, (5, 9))
-    prompts[0] = prompts[0] * 3
-    want, _ = _run(_engine(model_params), prompts, n=12, frequency_penalty=0.5)
-    eng = _spec_engine(model_params)
-    shapes = _record_shapes(eng)
-    got, _ = _run(eng, prompts, n=12, frequency_penalty=0.5)
-    assert got == want and not any(sh.verify for sh in shapes) and eng.metrics.spec_drafted == 0
+def test_penalised_and_grammar_rows_ride_in_verifying_steps_as_plain_rows(demo_vocab):
+    """A penalised request counts its own tokens and a grammar's mask follows each token, so neither drafts;
+    they still decode in the verifying steps beside a row that drafts, their one token a step sampled with
+    their counts and mask. Every output is the engine's without speculation, the penalty and the grammar
+    changed theirs, and drafts were verified while both decoded."""
+    tok, model, params, grammars = demo_vocab
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, model.cfg.vocab_size, 7).tolist(), rng.integers(2, model.cfg.vocab_size, 9).tolist(), rng.integers(2, model.cfg.vocab_size, 6).tolist()]
+    settings = [{}, dict(frequency_penalty=0.8), dict(grammar={"response_format": {"type": "json_object"}})]
+
+    def run(speculative, plain=False):
+        kw = dict(speculative="ngram", num_speculative_tokens=3) if speculative else {}
+        eng = Engine(model, params, grammars=grammars, max_batch=4, max_len=64, prefill_chunk=16, page_size=PAGE,
+                     kv_tokens=4096, **kw)
+        if speculative:  # the first row's drafts: its own continuation (only a free row is asked)
+            eng.proposer = _Scripted(lambda toks: want[0][len(toks) - len(prompts[0]):])
+        steps = _record_fed(eng)
+        events = {i: [] for i in range(3)}
+        eng.submit(*[Request(list(p), SamplingParams(max_tokens=24, **({} if plain else sp)), events[i].append)
+                     for i, (p, sp) in enumerate(zip(prompts, settings))])
+        while any(not (e and e[-1].finish_reason) for e in events.values()):
+            eng.step()
+        return [[t for e in ev for t in e.token_ids] for ev in events.values()], steps, eng.metrics
+
+    want, _, _ = run(False)
+    got, steps, m = run(True)
+    assert got == want
+    assert run(False, plain=True)[0][1:] != [want[1], want[2]]  # the penalty and the grammar changed their outputs
+    # verifying steps (a row fed drafts) in which the other two rows each decoded a token
+    both = [fed for sh, fed in steps if sh.verify and fed[0] > 1 and fed[1] == 1 and fed[2] == 1]
+    assert both and m.spec_accepted > 0
 
 
 def test_drafts_are_fed_only_where_their_step_pays(model_params, solo):
@@ -644,7 +665,20 @@ def test_overlap_changes_no_output(model_params, solo):
     assert on[5][0] == [] and len(on[5][2]) == len(prompts[5]) - 1
 
 
-def test_overlap_stays_on_beside_grammar_rows_and_their_masks_follow_the_tokens_read():
+@pytest.fixture(scope="module")
+def demo_vocab():
+    """The tiny model over the demo tokenizer's vocabulary, and a grammar compiler for it: (tokenizer, model,
+    params, grammars)."""
+    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
+    from k2jax.synthetic import demo_tokenizer
+
+    tok = demo_tokenizer()
+    cfg = CFG.replace(vocab_size=tok.vocab_size)
+    return (tok, k2jax.K2Model(cfg, jnp.float32), random_params(cfg, jnp.float32, seed=4),
+            GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size)))
+
+
+def test_overlap_stays_on_beside_grammar_rows_and_their_masks_follow_the_tokens_read(demo_vocab):
     """Rows with a grammar (JSON, greedy and sampled) beside plain rows: with overlap every row's token is
     still fed from the device, and a step where a grammar row samples is sent as its model pass alone, its
     masks made after the step before's tokens are read (Runner.send, then Runner.sample). The tokens equal
@@ -653,13 +687,9 @@ def test_overlap_stays_on_beside_grammar_rows_and_their_masks_follow_the_tokens_
     import json
 
     from k2jax.runtime.layout import FROM_LAST
-    from k2jax.serving.grammar import GrammarCompiler, GrammarTokenizer
-    from k2jax.synthetic import demo_tokenizer
 
-    tok = demo_tokenizer()
-    cfg = CFG.replace(vocab_size=tok.vocab_size)
-    model, params = k2jax.K2Model(cfg, jnp.float32), random_params(cfg, jnp.float32, seed=4)
-    grammars = GrammarCompiler(GrammarTokenizer(tok, cfg.vocab_size))
+    tok, model, params, grammars = demo_vocab
+    cfg = model.cfg
     rng = np.random.default_rng(23)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in (7, 19, 11, 4)]
     json_object = {"response_format": {"type": "json_object"}}

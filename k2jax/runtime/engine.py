@@ -91,8 +91,8 @@ class Engine:
     decoding row feeds up to num_speculative_tokens drafted tokens after its last one, and the step verifies
     them (k2jax.runtime.runner): a row outputs its drafts up to the first the model does not sample, then the
     model's own token there. The output is what it would be without (greedy: the same tokens; sampling: the
-    same distribution). Rows with a grammar or penalties are not verified: a step where one decodes runs
-    without drafts. Once warm_up has timed the decode and verifying steps, a step speculates only where it is
+    same distribution). Rows with a grammar or penalties get no drafts and ride in a verifying step as plain
+    rows (their masks and penalty state apply to their one token). Once warm_up has timed the decode and verifying steps, a step speculates only where it is
     expected to output tokens faster: each row's drafts are weighed by its own acceptance so far (see
     _worth)."""
 
@@ -481,13 +481,14 @@ class Engine:
 
     def _propose(self) -> None:
         """Each decoding row's drafts for the next step: up to num_speculative_tokens, none past its
-        max_tokens; None for a row that cannot be verified (its grammar or penalties)."""
+        max_tokens; none for a row with a grammar or penalties (each draft's mask or counts would follow the
+        draft before it), which rides in a verifying step as a plain row."""
         for seq in self.sched.live():
             if not seq.decoding:
                 continue
             p = seq.req.params
             if seq.req.matcher is not None or p.penalized:
-                seq.draft = None
+                seq.draft = []
                 continue
             k = min(self.spec_tokens, p.max_tokens - seq.generated - 1)
             seq.draft = self.proposer.propose(seq.tokens, k) if k > 0 else []

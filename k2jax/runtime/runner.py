@@ -172,7 +172,8 @@ class Runner:
         (`_pass`), then the sampler (`_sample`); a verifying step is one program."""
         state, logits_XV, scores, batch = self._pass(params, state, batch, shape)
         if shape.verify:  # (no step after it is fed FROM_LAST: the engine's overlap stops while it drafts)
-            return state, _verify(logits_XV, batch, state["samp"] | {"step": batch.step}) | scores
+            samp = state["samp"] | {"step": batch.step}
+            return state, _verify(logits_XV, batch, samp, state["counts"], state["seen"]) | scores
         last_B, out = _sample(state, logits_XV, batch.count, batch.step, batch.bitmask)
         return state | {"last": last_B}, out | scores
 
@@ -483,14 +484,16 @@ def _sample(state, logits_BV, count_B, step_B, bitmask_BW):
     return jnp.where(count_B > 0, out["tokens"], state["last"]), out
 
 
-def _verify(logits_DV, batch, samp: dict) -> dict:
+def _verify(logits_DV, batch, samp: dict, counts_BV, seen_BV) -> dict:
     """A verifying step's samples (speculative decoding): each decode token t of row b samples the token after
     it, with b's settings at its own output index, and verifies the draft fed after it in the row (if any;
     sampling.sample_rows' draft_B); D: every segment's decode tokens, in flat order (a row's tokens never
     cross a segment's end). -> sample_rows' outputs per decode token [D, ...] with `accepted` [D],
     and `emitted` [B]: how many tokens each row outputs (its accepted drafts, then the first token sampled
-    where a draft was not accepted, or after the last draft). The rows of a verifying step are never
-    penalised and have no grammar mask (the engine keeps such rows out of it)."""
+    where a draft was not accepted, or after the last draft). Each token takes its row's penalty state
+    (counts_BV, seen_BV, with this step's tokens) and grammar mask: right for a row fed no draft, as in a
+    plain step; a row with drafts has neither penalties nor a grammar (the engine drafts for no such row:
+    each draft would need the state after the one before)."""
     D = logits_DV.shape[0]
     row_D, pos_D, valid_D, tok_D = (x[:D] for x in (batch.row, batch.pos, batch.valid, batch.tokens))
     lengths_B = batch.lengths
@@ -498,7 +501,8 @@ def _verify(logits_DV, batch, samp: dict) -> dict:
     samp_D["step"] = samp_D["step"] + pos_D - lengths_B[row_D]
     nxt = jnp.arange(1, D + 1).clip(max=D - 1)
     follows_D = (jnp.arange(D) < D - 1) & valid_D[nxt] & (row_D[nxt] == row_D)
-    out = sampling.sample_rows(logits_DV, samp_D, draft_B=jnp.where(valid_D & follows_D, tok_D[nxt], -1))
+    out = sampling.sample_rows(logits_DV, samp_D, counts_BV[row_D], seen_BV[row_D], batch.bitmask[row_D],
+                               draft_B=jnp.where(valid_D & follows_D, tok_D[nxt], -1))
     # A row's output ends at its first token that did not accept the draft after it (its last token has none).
     big = jnp.iinfo(jnp.int32).max
     end_B = jnp.full_like(lengths_B, big).at[row_D].min(jnp.where(valid_D & ~out["accepted"], pos_D, big))

@@ -82,8 +82,9 @@ class Seq:
     reuse: bool = True  # may take pages from the prefix cache (not with penalties: they count fed tokens)
     preemptions: int = 0
     finished: bool = False
-    # Tokens proposed after its last one (speculative decoding), for the next step to verify: None = this
-    # row cannot be verified (a grammar or penalties: its step samples once, with its masks); set by the engine.
+    # Tokens proposed after its last one (speculative decoding), for the next step to verify (none for a row
+    # with a grammar or penalties: it samples once, with its mask and counts); None = not proposed, and a step
+    # with such a row verifies nothing. Set by the engine.
     draft: list[int] | None = None
     # Its drafts' record, decayed (speculative decoding): accepted ones, and trials (each accepted draft, and
     # the first rejected one).
