@@ -23,6 +23,28 @@ NMAX = 32  # the most tokens a test asks for
 
 
 
+def stream_in_background(port: int, body: dict, timeout: float = 120):
+    """POST a streamed /v1/completions `body` on a thread; return once its first line came ->
+    (the non-empty lines so far and as they come, the thread: join it for the rest)."""
+    import threading
+
+    import httpx
+
+    lines, started = [], threading.Event()
+
+    def read():
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=timeout) as r:
+            for ln in r.iter_lines():
+                if ln:
+                    lines.append(ln)
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60), "no line of the stream within 60 s"
+    return lines, reader
+
+
 def write_model(root):
     """-> (checkpoint dir, tokenizer dir) under root."""
     from k2jax.testing import write_release_checkpoint

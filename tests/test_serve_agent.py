@@ -335,11 +335,10 @@ def test_a_failed_step_ends_every_request_and_stops_the_server(files):
     gets a 503), /health says why with a 503 until the process exits, with status 1 (for a supervisor to start
     it afresh), and the log says which step failed."""
     import subprocess
-    import threading
 
     import httpx
 
-    from tests.serve_util import REPO, env, wait_ready
+    from tests.serve_util import REPO, env, stream_in_background, wait_ready
 
     root, tok_dir = files
     port = free_port()
@@ -349,20 +348,9 @@ def test_a_failed_step_ends_every_request_and_stops_the_server(files):
     proc = subprocess.Popen(argv, env=env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_ready(port, [proc])
-        lines, started = [], threading.Event()
-
-        def stream():  # no script for its seed: it emits the end token, ignored, until the step fails
-            body = {"model": "scripted", "prompt": "x", "max_tokens": 2000, "seed": 7, "stream": True,
-                    "ignore_eos": True}
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
-                for ln in r.iter_lines():
-                    if ln:
-                        lines.append(ln)
-                        started.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
+        # no script for its seed: it emits the end token, ignored, until the step fails
+        lines, reader = stream_in_background(port, {"model": "scripted", "prompt": "x", "max_tokens": 2000,
+                                                    "seed": 7, "stream": True, "ignore_eos": True}, timeout=60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="scripted", prompt="y", max_tokens=8, seed=666)

@@ -8,16 +8,13 @@ import json
 import random
 import subprocess
 import sys
-import threading
-
-import httpx
 
 import jax.numpy as jnp
 import openai
 
 import k2jax
 from k2jax.checkpoint.convert import main as convert_main
-from tests.serve_util import free_port, running, serve_argv, write_model
+from tests.serve_util import free_port, running, serve_argv, stream_in_background, write_model
 
 PROMPTS = [[5, 6, 7], list(range(20, 51)), [42], [random.Random(k).randrange(2, 1000) for k in range(17)]]
 NEW = [6, 3, 9, 5]
@@ -66,20 +63,8 @@ def test_two_process_server_answers_with_the_tokens_of_one_process(tmp_path):
         assert [r.choices[0].token_ids for r in rs[2:]] == want[:2]
         # A stream in flight at SIGTERM: it finishes within the drain or ends with "abort", then [DONE]; both
         # processes stop (process 1 also ignores a SIGTERM of its own).
-        lines, started = [], threading.Event()
-
-        def stream():
-            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
-                for ln in r.iter_lines():
-                    if ln:
-                        lines.append(ln)
-                        started.set()
-
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert started.wait(60)
+        lines, reader = stream_in_background(port, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60,
+                                                    "temperature": 0, "ignore_eos": True, "stream": True})
         procs[1].terminate()
         procs[0].terminate()  # SIGTERM, as a supervisor stops a server
         reader.join(120)

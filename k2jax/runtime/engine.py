@@ -31,7 +31,7 @@ from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
 from k2jax.runtime.layout import (DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput,
                                   lay_out)
-from k2jax.runtime.runner import Runner, neutral_batch
+from k2jax.runtime.runner import Runner, all_allowed, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
 from k2jax.runtime.pages import PagePool
@@ -459,7 +459,7 @@ class Engine:
 
     def _sample_late(self, call: RaggedCall, sent) -> dict:
         """Sample a sent pass (Runner.send's) with its rows' grammar masks, made now (see _late_masks)."""
-        bitmask = np.full((call.shape.rows, -(-self.model.cfg.vocab_size // 32)), -1, np.int32)
+        bitmask = all_allowed(call.shape.rows, self.model.cfg.vocab_size)
         self._masks(call, bitmask)
         return self.runner.sample(sent, bitmask)
 

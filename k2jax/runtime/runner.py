@@ -58,13 +58,18 @@ from k2jax.runtime.layout import FROM_LAST, RaggedInput, RaggedShape, StepInput,
 from k2jax.sharding import per_shard, split_axes, use_mesh
 
 
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """A grammar mask that allows every id: [rows, ceil(V / 32)] int32, every bit set."""
+    return np.full((rows, -(-vocab_size // 32)), -1, np.int32)
+
+
 def host_batch(shape: StepShape, vocab_size: int) -> StepInput:
     """A step's host inputs for `shape`, all neutral: no real tokens (nothing is written), greedy rows."""
     B = shape.rows
     return StepInput(slot=np.zeros(B, np.int32), tokens=np.zeros((B, shape.tokens), np.int32),
                      count=np.zeros(B, np.int32), table=np.zeros((B, shape.table_pages), np.int32),
                      lengths=np.zeros(B, np.int32), prompt_len=np.zeros(B, np.int32), reset=np.zeros(B, bool),
-                     bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), step=np.zeros(B, np.int32),
+                     bitmask=all_allowed(B, vocab_size), step=np.zeros(B, np.int32),
                      targets=np.full((B, shape.tokens), -1, np.int32))
 
 
@@ -75,7 +80,7 @@ def ragged_host_batch(shape: RaggedShape, vocab_size: int) -> RaggedInput:
     B = shape.rows
     return RaggedInput(**lay_out(shape, {}), targets=np.full(shape.tokens, -1, np.int32),
                        prompt_len=np.zeros(B, np.int32), reset=np.zeros(B, bool),
-                       bitmask=np.full((B, -(-vocab_size // 32)), -1, np.int32), step=np.zeros(B, np.int32))
+                       bitmask=all_allowed(B, vocab_size), step=np.zeros(B, np.int32))
 
 
 def neutral_batch(shape, vocab_size: int) -> StepInput | RaggedInput:
@@ -330,12 +335,11 @@ class Runner:
         """The sampler of plain ragged steps (`_sample`), lowered for `shape`'s rows and `logits` (the pass's
         jax.ShapeDtypeStruct): one program serves every ragged shape (their rows are the slots). It reads the
         penalty state and settings and gives each slot's last token back (donated)."""
-        def struct(x, sharding=None):
+        def struct(x, sharding):  # one device: no sharding given
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if self.mesh is not None else None)
 
-        keep = {k: jax.tree.map(lambda x: struct(x, x.sharding if self.mesh is not None else None), self.state[k])
-                for k in ("counts", "seen", "samp")}
-        last = struct(self.state["last"], self.state["last"].sharding if self.mesh is not None else None)
+        keep = {k: jax.tree.map(lambda x: struct(x, x.sharding), self.state[k]) for k in ("counts", "seen", "samp")}
+        last = struct(self.state["last"], self.state["last"].sharding)
         b = self.batch_shapes(shape)
         logits = struct(logits, self._logits_sharding(shape) if self.mesh is not None else None)
         out = {} if self.mesh is None else {"out_shardings": (last.sharding,
@@ -401,24 +405,26 @@ class Runner:
         (k2jax.ops.logprobs.token_logprobs); dispatched asynchronously."""
         if isinstance(shape, RaggedShape) and not shape.verify:
             return self.sample(self.send(shape, batch))
-        if shape not in self._compiled:
-            self.compile([shape])
-        sh = self._shardings(shape)
-        if sh is not None:
-            batch = jax.device_put(batch, sh)
-        self.state, out = self._compiled[shape](self._params_for(shape), self.state, batch)
+        self.state, out = self._run(shape, self._placed(shape, batch))
         return out
 
     def send(self, shape: RaggedShape, batch: RaggedInput) -> "Sent":
         """Dispatch a plain ragged step's model pass (the pool written); `sample(sent)` then samples its rows.
         Between the two the host may fill grammar masks the batch did not have yet: `step` is sample(send)."""
+        batch = self._placed(shape, batch)
+        self.state, logits, scores = self._run(shape, batch)
+        return Sent(shape, batch, logits, scores)
+
+    def _placed(self, shape, batch):
+        """The batch as the program of `shape` takes it: on a mesh, put on it."""
+        sh = self._shardings(shape)
+        return batch if sh is None else jax.device_put(batch, sh)
+
+    def _run(self, shape, batch):
+        """The program of `shape` (compiled now if it was not) on the params, the state and the placed batch."""
         if shape not in self._compiled:
             self.compile([shape])
-        sh = self._shardings(shape)
-        if sh is not None:
-            batch = jax.device_put(batch, sh)
-        self.state, logits, scores = self._compiled[shape](self._params_for(shape), self.state, batch)
-        return Sent(shape, batch, logits, scores)
+        return self._compiled[shape](self._params_for(shape), self.state, batch)
 
     def sample(self, sent: "Sent", bitmask=None) -> dict:
         """Sample the rows of a sent pass -> `step`'s outputs. bitmask [B, V / 32] int32 (host or device):
