@@ -30,10 +30,10 @@ def routing(key, T, E, K, skew=0.0):
 @pytest.mark.parametrize("impl, capacity", [("tiled", None), ("tiled", 0), ("tiled", 2), ("ragged", None)])
 @pytest.mark.parametrize("T, E, K, tile, skew", [
     (37, 8, 2, 4, 0.0), (64, 16, 4, 8, 0.0), (50, 16, 4, 16, 6.0), (3, 32, 8, 64, 0.0), (1, 8, 8, 4, 0.0),
-    (2, 64, 8, 8, 0.0), (4, 64, 8, 8, 0.0)])  # decode-sized, capacity None: gathered weights; tiles only
+    (2, 64, 8, 8, 0.0), (4, 64, 8, 8, 0.0), (6, 64, 8, 8, 8.0)])  # decode-sized: the loop (capacity None)
 def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
     # capacity None: sized for the load (the batched matmul does it all, a hot expert overflows into tiles;
-    # or gathered weights for decode-sized batches, or tiles only up to one assignment per two experts);
+    # or, for decode-sized batches, a loop over the chosen experts: with skew, rows sharing most of them);
     # 0: every row through the tile loop; 2: most rows overflow.
     key = jax.random.PRNGKey(T * E + K)
     D, F = 24, 20
@@ -48,15 +48,29 @@ def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_default_sizes_take_tiles_only_up_to_one_assignment_per_two_experts():
-    assert default_sizes(32, 64) == (0, 4)  # 4 decoding rows of top-8 over 64 experts
-    c, t = default_sizes(64, 64)
-    assert c >= 8 and t >= c  # 8 rows: the batched matmul (most experts are chosen)
+def test_default_sizes_hold_a_balanced_load():
+    c, t = default_sizes(64, 64)  # 8 rows of top-8 over 64 experts: a mean of one row each
+    assert c >= 3 and c % 8 == 0 and t >= c
+    c, t = default_sizes(512 * 8, 64)  # a 512-token chunk: 64 rows each
+    assert 64 + 2 * 8 <= c < 100 and t == 32
+
+
+def test_chosen_experts_are_each_listed_once():
+    """The decode loop's trip list: every expert some row chose, once, ascending; ids >= E (held elsewhere)
+    are not chosen."""
+    from k2jax.ops.moe import chosen_experts
+
+    idx = jnp.array([[5, 2, 9], [2, 5, 9], [9, 12, 1], [12, 12, 12]], jnp.int32)  # 12: held elsewhere
+    ids, n = chosen_experts(idx, 12)
+    assert int(n) == 4 and ids.shape == (12,)
+    assert ids[:4].tolist() == [1, 2, 5, 9] and (np.asarray(ids[4:]) == 12).all()
+    ids, n = chosen_experts(jnp.full((3, 2), 7, jnp.int32), 8)  # every row the same expert: one trip
+    assert int(n) == 1 and int(ids[0]) == 7
 
 
 @pytest.mark.parametrize("T, E, capacities", [
     (29, 8, (None, 0, 3)),  # batched matmul and tiles together, tiles only, mostly tiles
-    (2, 32, (None,)),  # decode-sized: gathered weights
+    (2, 32, (None,)),  # decode-sized: the loop over the chosen experts
 ])
 def test_grouped_gradients_equal_dense(T, E, capacities):
     key = jax.random.PRNGKey(0)
@@ -76,7 +90,7 @@ def test_grouped_gradients_equal_dense(T, E, capacities):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T, E, capacity", [(2, 64, None), (40, 8, None), (40, 8, 0)])  # gathered, batched, tiles
+@pytest.mark.parametrize("T, E, capacity", [(2, 64, None), (40, 8, None), (40, 8, 0)])  # loop, batched, tiles
 def test_experts_held_elsewhere_add_nothing(T, E, capacity):
     # Expert parallelism marks a device's foreign assignments with id E.
     from k2jax.ops.moe import grouped_moe
@@ -105,7 +119,7 @@ def layer_stacks(key, L, E, D, F, quant=None):
 
 @pytest.mark.parametrize("quant", [None, "fp8", "int4"])
 @pytest.mark.parametrize("T, capacity, block", [
-    (2, None, None),  # decode-sized: the chosen experts gathered out of the stacks
+    (2, None, None),  # decode-sized: the loop takes the chosen experts out of the stacks
     (40, None, 1), (40, None, 2), (40, None, 8),  # the batched matmul in blocks of 1, 2, all 8 experts
     (40, 2, 4),  # blocks and overflow tiles
     (40, 0, None),  # tiles only
@@ -128,7 +142,7 @@ def test_layer_read_out_of_stacks_equals_dense_of_that_layer(quant, T, capacity,
                                    err_msg=f"layer {layer}'s own arrays")
 
 
-@pytest.mark.parametrize("T, capacity", [(1, None), (40, None), (40, 2), (40, 0)])  # gathered, batched, tiles
+@pytest.mark.parametrize("T, capacity", [(1, None), (40, None), (40, 2), (40, 0)])  # loop, batched, tiles
 def test_output_major_layers_equal_dense(T, capacity):
     """A runtime's per-layer arrays with gate and up output-major (OutputMajor [E, F, D]), each layer picked by
     a switch (moe_grouped's stacks as per-layer sequences) == moe_dense of that layer's experts."""

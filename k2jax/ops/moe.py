@@ -9,7 +9,8 @@ M = T*K (token, expert) assignments, C rows per expert (capacity) or per tile.
   own weights only. On GPU/TPU the sorted rows go to `jax.lax.ragged_dot`, the grouped-matmul primitive.
   XLA:CPU has no real kernel for it, so `grouped_moe` (the XLA:CPU workaround) runs one batched matmul over
   every expert's first C rows (C sized for a balanced load) and a loop over tiles for what a hot expert has
-  beyond C; for decode-sized batches it gathers the chosen experts' weights instead. Given every layer's
+  beyond C; for decode-sized batches (no more assignments than experts) it loops over the chosen experts
+  instead, each read once for all the rows. Given every layer's
   stacks [L, E, ...] and a layer index (`layer=`, as the model's scan over the layers holds its params), it
   reads that layer's experts straight out of the stacks, a block of experts at a time (XLA:CPU copies any
   slice feeding a matmul: a scan's slice of a layer's stack would be copied whole; see grouped_moe).
@@ -17,8 +18,7 @@ M = T*K (token, expert) assignments, C rows per expert (capacity) or per tile.
 
 Every path takes the expert stacks as plain arrays or as k2jax.ops.quant.QuantizedWeight (FP8 / INT4), which
 run in the activations' dtype and are dequantized inside the step, at most one layer's chosen experts at a
-time: the gathered decode path gathers the chosen experts' values and scales and dequantizes only those; a
-tile dequantizes its one expert; a block of the batched matmul dequantizes its block of experts; the ragged
+time: the decode loop and a tile dequantize their one expert; a block of the batched matmul dequantizes its block of experts; the ragged
 and dense paths dequantize the layer's stack they read.
 """
 
@@ -184,14 +184,7 @@ def default_sizes(M: int, E: int) -> tuple[int, int]:
     expert's weights are taken once for all its tiles (see _tile_loop), so small tiles waste little on
     padding. Measured forwards (bf16, 1 x 512), tiles of 16 / 32 / 64 / 128 rows: 593 / 585 / 608 / 632 ms
     on the milder skew, 760 / 704 / 663 / 688 ms on the stronger one.
-
-    Up to one assignment per two experts (2 M <= E, above the gathered decode path's M): no capacity, tiles of
-    4 rows only. About a third of the experts are chosen then, and the tiles read only theirs, where the
-    batched matmul reads all E. Measured (bench config, bf16, one run): a 4-row decode step 63.5 -> 47.5 ms;
-    at 8 rows (M = E, about 63% of the experts chosen) 66 ms either way, so the batched matmul stays there.
     """
-    if 2 * M <= E:
-        return 0, 4
     mean = M / E
     capacity = 8 * -(-int(mean + 2 * mean**0.5) // 8)
     return capacity, min(32, 1 << (capacity - 1).bit_length())
@@ -229,16 +222,16 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     - Rows past an expert's capacity (a hot expert; dropless) are padded per expert to whole tiles of `tile`
       rows, and a loop visits only the tiles that hold rows, each a small SwiGLU with its tile's expert,
       added into its tokens' outputs. Its trip count is the number of such tiles, usually 0.
-    - With under one assignment per four experts (decode) and capacity left to None, each assignment's
-      expert weights are gathered instead: the batched matmul would read every expert for a few rows, where a
-      gather reads only the experts chosen.
+    - With no more assignments than experts (decode, and speculative decoding's verifying steps) and capacity
+      left to None, a loop over the experts chosen runs all the rows through each (see _looped_moe): the
+      batched matmul would read every expert for a few rows, where the loop reads each chosen one once.
 
     layer: None, or a traced int with the weights every layer's stacks [L, E, ...] (the params as a scan over
     the layers holds them). XLA:CPU copies any slice of a larger array that feeds a matmul into a buffer of
     its own: the scan's slice of a layer's experts would copy the layer's whole stack, every forward (the
     bench config's 7 MoE layers: about 40% more time in the routed experts than with one array per layer).
-    Given the stacks and the layer, every path reads only what it needs, straight out of them: the gathered
-    path gathers the chosen experts, a tile slices its one expert, and the batched matmul runs in a loop over
+    Given the stacks and the layer, every path reads only what it needs, straight out of them: the decode
+    loop and a tile slice their one expert, and the batched matmul runs in a loop over
     blocks of experts (`block` experts per step, default: as many as fit BLOCK_BYTES), each block sliced out
     of the stack right before its matmul, so that the copy stays in cache and the matmul reads it there.
     Quantized experts run in blocks too (also one layer's own), each block dequantized right before its
@@ -255,15 +248,14 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
     that several sets of experts can share one dispatch (one per branch of a switch over layers)."""
     T, K = idx_TK.shape
     M = T * K
-    if capacity is None and 4 * M <= E:
-        weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
-        idx_TK = jnp.minimum(idx_TK, E - 1)
+    if capacity is None and M <= E:
+        chosen_U, n_chosen = chosen_experts(idx_TK, E)
 
-        def run_gathered(x_TD, ws, layer=None, block=None, out_dtype=None):
-            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer)
+        def run_looped(x_TD, ws, layer=None, block=None, out_dtype=None):
+            y_TD = _looped_moe(x_TD, idx_TK, weight_TK, chosen_U, n_chosen, tuple(ws), layer)
             return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
-        return run_gathered
+        return run_looped
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile
@@ -384,15 +376,75 @@ def _blocked_swiglu(x_ext, src_EC, ws, layer, n: int):
     return jax.lax.fori_loop(0, E // n, block, jnp.zeros((E, C, x_ext.shape[1]), x_ext.dtype))
 
 
+def chosen_experts(idx_TK, E: int):
+    """The experts that idx [T, K] chooses, each once, ascending -> (ids [T*K], padded with E; their count).
+    Ids >= E (held elsewhere) are not chosen."""
+    flat_M = jnp.sort(idx_TK.reshape(-1))
+    first_M = jnp.concatenate([jnp.ones(1, bool), flat_M[1:] != flat_M[:-1]]) & (flat_M < E)
+    return jnp.sort(jnp.where(first_M, flat_M, E)), jnp.sum(first_M)
+
+
+ROWS_MIN = 4  # rows per matmul at least: with fewer, XLA:CPU converts bf16 weights to float32 first
+
+
+@jax.custom_vjp
+def _looped_moe(x_TD, idx_TK, weight_TK, chosen_U, n_chosen, ws, layer):
+    """Decode-sized grouped_moe: a loop over the n_chosen experts chosen_U[:n_chosen] (chosen_experts), each
+    taken once out of (layer `layer` of) the weights and run over every row, its output scaled per row by
+    that expert's router weight (0 where the row did not choose it). It reads what the step needs, each
+    chosen expert once, whatever the rows share: speculative decoding's verifying step feeds a row's drafts
+    after its last token, whose experts mostly repeat (demo model, "Once upon a time": 8 experts per layer
+    for one token, 12.2 for five in a row). Measured on the demo config (bf16, XLA:CPU, one row): a
+    verifying step of five tokens about 40 -> 17-20 ms against the batched matmul over every expert, a
+    one-token decode step 10.6 ms either way against gathering each assignment's expert; the 8 demo prompts
+    decoded together 8.9 -> 6.3 s (bench/speculative.py). Differentiated as _gathered_moe (the same sum,
+    each assignment's expert gathered), whose loop-free form reverse-mode takes."""
+    T, D = x_TD.shape
+    R = max(T, ROWS_MIN)
+    x_RD = jnp.pad(x_TD, [(0, R - T), (0, 0)])
+    f32 = jnp.float32
+
+    def per_expert(u, y_TD):
+        e = chosen_U[u]
+        w_T = jnp.sum(jnp.where(idx_TK == e, weight_TK, 0.0), axis=1)
+        gate, up, down = (_expert(w, layer, e) for w in ws)
+        return y_TD + _swiglu(x_RD, gate, up, down)[:T].astype(f32) * w_T[:, None]
+
+    return jax.lax.fori_loop(0, n_chosen, per_expert, jnp.zeros((T, D), f32)).astype(x_TD.dtype)
+
+
+def _looped_moe_fwd(x_TD, idx_TK, weight_TK, chosen_U, n_chosen, ws, layer):
+    return (_looped_moe(x_TD, idx_TK, weight_TK, chosen_U, n_chosen, ws, layer),
+            (x_TD, idx_TK, weight_TK, ws, layer))
+
+
+def _looped_moe_bwd(res, dy_TD):
+    x_TD, idx_TK, weight_TK, ws, layer = res
+    E = jax.tree.leaves(ws[0])[0].shape[0 if layer is None else 1]
+    frozen = is_quantized(ws[0])
+    safe_TK = jnp.minimum(idx_TK, E - 1)
+
+    def plain(x_TD, weight_TK, *w):
+        weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
+        return _gathered_moe(x_TD, safe_TK, weight_TK, ws if frozen else w, layer)
+
+    _, vjp = jax.vjp(plain, x_TD, weight_TK, *(() if frozen else ws))
+    dx_TD, dweight_TK, *dws = vjp(dy_TD)
+    return dx_TD, None, dweight_TK, None, None, None if frozen else tuple(dws), None
+
+
+_looped_moe.defvjp(_looped_moe_fwd, _looped_moe_bwd)
+
+
 def _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer):
-    """Decode-sized grouped_moe: each token's K experts' weights gathered (only those are read) from layer
-    `layer` of the stacks, the router weights scaling the hidden units so that the down projection also sums
-    the experts. Rows are padded to 4 (R): with fewer, XLA:CPU converts the weights to float32 before
-    multiplying."""
+    """Decode-sized grouped_moe as a gather, the form _looped_moe is differentiated as: each token's K
+    experts' weights gathered from layer `layer` of the stacks, the router weights scaling the hidden units so
+    that the down projection also sums the experts. Rows are padded to ROWS_MIN (R)."""
     T, D = x_TD.shape
     K = idx_TK.shape[1]
     f32, dt = jnp.float32, x_TD.dtype
-    x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, 3), (0, 0)]), (T, K, 4, D))
+    x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, ROWS_MIN - 1), (0, 0)]),
+                              (T, K, ROWS_MIN, D))
     # Quantized stacks: the chosen experts' values and scales are gathered, then only those dequantized.
     gate_TKDF, up_TKDF, down_TKFD = (materialize(_expert(w, layer, idx_TK), dt) for w in ws)
     g_TKRF = _up_project("TKRD,TKDF->TKRF", x_TKRD, gate_TKDF)
