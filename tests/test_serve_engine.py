@@ -540,6 +540,67 @@ def test_drafts_are_fed_only_where_their_step_pays(model_params, solo):
         assert (eng.metrics.spec_accepted > 0) == verifies
 
 
+def test_speculation_overlaps_the_steps_where_no_row_drafts(model_params, solo):
+    """With speculative decoding, a step where no row drafts is still sent before the step before's tokens
+    are read (overlap), its row's token fed from the device. Once the row's lookup finds drafts (in its tokens
+    known: the last one is not read yet), its tokens are read first, its drafts verified in a step read at
+    once, and overlap resumes when the drafts stop. The output is generate's."""
+    from k2jax.runtime.layout import FROM_LAST
+
+    p, n = _prompts(9, (6,))[0], 24
+    want = solo(p, n)
+    eng = _spec_engine(model_params)
+    # the row's own continuation, but only while its output is 8 to 13 tokens long
+    eng.proposer = _Scripted(lambda toks: want[len(toks) - len(p):] if 8 <= len(toks) - len(p) < 14 else [])
+    log = []
+    step, emit = eng.runner.step, eng._emit
+    eng.runner.step = lambda shape, batch: log.append(("send", shape.verify, batch.tokens[batch.valid].tolist())) \
+        or step(shape, batch)
+    eng._emit = lambda call, out: log.append(("read",)) or emit(call, out)
+    got, _ = _run(eng, [p], n=n)
+    assert got[0] == want
+    verify = [i for i, e in enumerate(log) if e[0] == "send" and e[1]]
+    assert verify and eng.metrics.spec_accepted > 0
+    for i in verify:  # read before anything else is sent; the drafting row's tokens all known
+        assert log[i + 1] == ("read",) and FROM_LAST not in log[i][2]
+    overlapped = [i for i, e in enumerate(log) if e[0] == "send" and e[2] == [FROM_LAST]]
+    assert min(overlapped) < verify[0] and max(overlapped) > verify[-1]
+    def in_flight(i):  # steps sent and not read when log[i] is sent
+        return sum(e[0] == "send" for e in log[:i]) - sum(e[0] == "read" for e in log[:i])
+
+    assert {in_flight(i) for i in overlapped} == {1} and {in_flight(i) for i in verify} == {0}
+
+
+def test_decode_and_verifying_steps_are_timed_on_real_tokens_written_to_the_trash_page(model_params, solo):
+    """warm_up times each decode-only and verifying step on rows that feed real tokens, as serving fills them
+    (a padding token reads no routed expert, so padding alone would time a step as if its rows chose none):
+    one token per decoding row, or a row's token and its drafts, 1 + num_speculative_tokens each. They write
+    only into the trash page, and a request served afterwards gets its usual tokens."""
+    from k2jax.runtime.layout import TRASH_PAGE
+
+    eng = _spec_engine(model_params)  # 3 drafts: rows of up to 4 tokens
+    before = jax.tree.map(np.asarray, eng.runner.state["pages"])
+    fed = []
+    step = eng.runner.step
+    eng.runner.step = lambda shape, batch: fed.append((shape, batch.count.copy(), batch.valid.copy())) or step(
+        shape, batch)
+    eng.warm_up()
+    timed = {shape: (count, valid) for shape, count, valid in fed if shape.blocks == 0 and not shape.spread}
+    assert {sh.verify for sh in timed} == {False, True} and timed.keys() == eng.spec_step_s.keys()
+    for shape, (count, valid) in timed.items():
+        each = 4 if shape.verify else 1
+        want = [min(each, shape.decode - r * each) for r in range(-(-shape.decode // each))]
+        assert count[:len(want)].tolist() == want and not count[len(want):].any(), shape
+        assert valid.sum() == shape.decode, shape
+    for g, pages in eng.runner.state["pages"].items():
+        keep = np.arange(pages.shape[1]) != TRASH_PAGE
+        np.testing.assert_array_equal(np.asarray(pages)[:, keep], before[g][:, keep], err_msg=g)
+        assert (np.asarray(pages)[:, TRASH_PAGE] != before[g][:, TRASH_PAGE]).any(), g
+    p = _prompts(0, (9,))[0]
+    got, _ = _run(eng, [p], n=20)
+    assert got[0] == solo(p, 20)
+
+
 def test_speculation_on_a_mesh_keeps_the_greedy_tokens(model_params, solo):
     """On a mesh of 8 data-parallel shards a verifying step has one segment per shard (each its rows' tokens
     and drafts): the same greedy tokens as one device without speculation, and drafts accepted."""

@@ -30,7 +30,7 @@ import numpy as np
 from k2jax.runtime import sampling, speculate
 from k2jax.runtime.cache import data_shards, pool_tokens
 from k2jax.runtime.layout import (DEFAULT_BLOCK, FROM_LAST, TRASH_PAGE, Feed, RaggedInput, RaggedShape, StepInput,
-                                  lay_out)
+                                  StepShape, lay_out)
 from k2jax.runtime.runner import Runner, all_allowed, neutral_batch
 from k2jax.runtime.detok import NoText, TokenText
 from k2jax.runtime.metrics import Metrics
@@ -280,9 +280,10 @@ class Engine:
         return out
 
     def time_steps(self, shapes, repeats: int = 2, prefix: bool = False) -> dict:
-        """{shape: seconds} of one step of each shape on a batch that writes nothing (the fastest of
-        `repeats` after a first run); prefix (chunk-region ragged shapes): one row's chunk fills the region
-        over Scheduler.timing_prefix(shape) cached tokens, all in the trash page. Call before any request
+        """{shape: seconds} of one step of each shape (the fastest of `repeats` after a first run) on a batch
+        that writes nothing, or only into the trash page: a decode-only or verifying step's rows feed real
+        tokens (_decoding_rows); prefix (chunk-region ragged shapes): one row's chunk fills the region over
+        Scheduler.timing_prefix(shape) cached tokens, all in the trash page. Call before any request
         runs (the steps overwrite the trash pages). Under jax.distributed every process takes process 0's
         times: their schedulers must decide alike."""
         shapes = sorted(shapes)
@@ -294,9 +295,11 @@ class Engine:
                 pages = (TRASH_PAGE,) * -(-(cached + n) // self.pool.page_size)
                 for k, v in lay_out(shape, {0: Feed((0,) * n, cached, pages)}).items():
                     getattr(batch, k)[...] = v
+            else:
+                self._decoding_rows(shape, batch)
             # Tokens spread over the vocabulary, so the router spreads them over the experts as real text
             # does (one id repeated would send every token to the same few). A neutral batch writes nothing;
-            # a prefix batch writes only into the trash page, which no request reads.
+            # the others write only into the trash page, which no request reads.
             batch.tokens[:] = rng.integers(0, self.model.cfg.vocab_size, batch.tokens.shape)
             best = float("inf")
             for i in range(repeats + 1):
@@ -309,6 +312,27 @@ class Engine:
 
             times = multihost_utils.broadcast_one_to_all(np.array(times, np.float64)).tolist()
         return dict(zip(shapes, times))
+
+    def _decoding_rows(self, shape, batch) -> None:
+        """Fill a decode-only or verifying step's timing batch as serving does, its tokens real ones written
+        into the trash page: one token per decoding row, or (verifying) each row's token and its drafts, up to
+        1 + num_speculative_tokens a row, until each segment's decode region is full. A padding token reads no
+        routed expert (k2jax.ops.moe's decode loop reads only the experts chosen), so a step of padding alone
+        would time as if its rows chose none. Other shapes stay neutral."""
+        if isinstance(shape, StepShape):
+            if shape.tokens == 1:
+                batch.count[:] = 1  # every row real; the pages of its table (all 0) are the trash page
+            return
+        if shape.blocks or shape.spread:
+            return
+        each = 1 + self.spec_tokens if shape.verify else 1
+        per, feeds = self.sched.per_shard, {}
+        for segment in range(shape.shards):
+            for r in range(min(per, -(-shape.decode // each))):
+                n = min(each, shape.decode - r * each)
+                feeds[segment * per + r] = Feed((0,) * n, 0, (TRASH_PAGE,) * -(-n // self.pool.page_size))
+        for k, v in lay_out(shape, feeds).items():
+            getattr(batch, k)[...] = v
 
     def run_follower(self) -> None:
         """A process other than 0 under jax.distributed: step whenever process 0 does, until it stops."""
@@ -403,13 +427,18 @@ class Engine:
                 self.metrics.prompt_prefilled += len(s.req.prompt) - s.cached
                 self.metrics.cached_prompt_tokens += s.cached
         self._gauges()
-        t0 = time.perf_counter()
         done = []
         overlap = self._overlaps()
+        if overlap and self.proposer is not None:
+            # Would any row draft, its last token read? Looked up in the tokens known (a row sent but not read
+            # lacks its last): if so, read them and look again; if not, overlap this step, without drafts.
+            self._propose(lagged=True)
+            overlap = not any(seq.draft for seq in self.sched.live() if seq.decoding)
         if not overlap:
             self._flush()
-        if self.proposer is not None:
-            self._propose()
+            if self.proposer is not None:
+                self._propose()
+        t0 = time.perf_counter()  # (after reading a step sent before: the step times below are this one's)
         calls = [c for c in [self.sched.plan_ragged()] if c is not None] if self.ragged else self.sched.plan()
         for call in calls:
             batch = neutral_batch(call.shape, self.model.cfg.vocab_size)
@@ -444,9 +473,10 @@ class Engine:
         self._gauges()
 
     def _overlaps(self) -> bool:
-        """Whether this step is sent before the step before's tokens are read (config.overlap): ragged steps,
-        and no speculative decoding (drafts follow the last token)."""
-        return self.overlap and self.ragged and self.proposer is None
+        """Whether this step may be sent before the step before's tokens are read (config.overlap): ragged
+        steps. With speculative decoding, only while no row's drafts are worth feeding (drafts follow the
+        last token; see step)."""
+        return self.overlap and self.ragged
 
     @staticmethod
     def _late_masks(call) -> bool:
@@ -479,10 +509,13 @@ class Engine:
             self._take_scores(out, scored)
             self._emit(call, out)
 
-    def _propose(self) -> None:
+    def _propose(self, lagged: bool = False) -> None:
         """Each decoding row's drafts for the next step: up to num_speculative_tokens, none past its
         max_tokens; none for a row with a grammar or penalties (each draft's mask or counts would follow the
-        draft before it), which rides in a verifying step as a plain row."""
+        draft before it), which rides in a verifying step as a plain row. lagged (overlap, the step before's
+        tokens not read): a row whose last token is not read is looked up without it, the first draft then
+        standing for that token; such drafts only tell whether drafting would pay (step), and those not fed
+        teach the rows' acceptance as `shadow` drafts do (their first is checked against that token)."""
         for seq in self.sched.live():
             if not seq.decoding:
                 continue
@@ -490,8 +523,9 @@ class Engine:
             if seq.req.matcher is not None or p.penalized:
                 seq.draft = []
                 continue
+            known = seq.tokens[:-1] if lagged and seq.tokens[-1] == FROM_LAST else seq.tokens
             k = min(self.spec_tokens, p.max_tokens - seq.generated - 1)
-            seq.draft = self.proposer.propose(seq.tokens, k) if k > 0 else []
+            seq.draft = self.proposer.propose(known, k) if k > 0 else []
         if self.spec_step_s:
             self._worth()
 
@@ -500,9 +534,8 @@ class Engine:
         for its acceptance rate a so far (every draft accepted with probability a after the one before it);
         of the steps with drafts cut to at most k (k = 0: none), the one with most tokens per second of its
         timed step (warm_up's time, then a moving average of the engine steps of that shape as they run,
-        host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (Each verified
-        token costs the reading of its own experts: on a small batch a verifying step can take several times
-        a decode step.) Drafts cut away are kept as the row's `shadow`: the next token tells whether the
+        host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (A verifying step's
+        cost grows with its tokens: each may choose experts the others do not.) Drafts cut away are kept as the row's `shadow`: the next token tells whether the
         first would have been accepted, so a row that does not speculate still learns its rate."""
         s = self.sched
         rows = [q for q in s.live() if q.decoding]
