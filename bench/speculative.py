@@ -7,11 +7,14 @@
 2. Text the lookup rarely predicts: a sampled completion (temperature 1, fixed seed) of 400 tokens.
 3. The eight demo prompts at once (200 tokens each, greedy): wall time.
 
-    python bench/speculative.py [--dtype bfloat16|float32] [--tokens 400] [-k 4] [--log FILE]
+    python bench/speculative.py [--dtype bfloat16|float32] [--tokens 400] [-k 4] [--repeats 3] [--log FILE]
 
-The speculating server times its decode and verifying steps at start-up and drafts only where a step's
-expected tokens per second beat a plain decode (k2jax.runtime.engine). The CPU is what it is: compare only
-within one run.
+Both servers run at once and take turns: each case runs on one, then the other (the order alternating),
+`--repeats` times. The fastest of each is shown, with the slowest beside it, and the speed-up is the median
+of the turns' own ratios (each turn's two runs back to back): a shared host's speed drifts within a run by
+more than the effect measured. The speculating server times its decode and
+verifying steps at start-up and drafts only where a step's expected tokens per second beat a plain decode
+(k2jax.runtime.engine). The CPU is what it is: compare only within one run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -72,42 +76,54 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("-k", type=int, default=4, help="--num-speculative-tokens (default 4)")
+    ap.add_argument("--repeats", type=int, default=3, help="turns of each case on each server (default 3)")
     ap.add_argument("--log", default=None, help="keep the servers' output in this file")
     args = ap.parse_args()
     settings = {"off": [], "ngram": ["--speculative", "ngram", "--num-speculative-tokens", str(args.k)]}
-    results = {}
+    from k2jax.demo import PROMPTS as DEMO
+    cases = [(p, f"greedy {args.tokens}: {p!r}", [_body(p, args.tokens)]) for p in PROMPTS] + [
+        ("sampled", f"sampled {args.tokens} (T=1): 'Write code'",
+         [_body("Write code", args.tokens, temperature=1.0, seed=7)]),
+        ("eight", "8 prompts at once, 200 each", [_body(p, 200) for p in DEMO])]
+    runs = {name: {case: [] for case, _, _ in cases} for name in settings}  # [(ids, seconds, spec counts)]
     with tempfile.TemporaryDirectory() as d:
-        for name, flags in settings.items():
-            log = open(args.log + f".{name}" if args.log else os.devnull, "w")
-            s = Server(["--demo", "--dtype", args.dtype, "--max-batch", "8", *flags], log, os.path.join(d, "xla"))
-            r = results[name] = {}
-            try:
-                for p in PROMPTS:
-                    before = spec_counts(s)
-                    [(ids, times)], _ = completions(s, [_body(p, args.tokens)])
-                    after = spec_counts(s)
-                    r[p] = (ids, times[-1] - times[0], [a - b for a, b in zip(after, before)])
-                before = spec_counts(s)
-                [(ids, times)], _ = completions(s, [_body("Write code", args.tokens, temperature=1.0, seed=7)])
-                r["sampled"] = (ids, times[-1] - times[0], [a - b for a, b in zip(spec_counts(s), before)])
-                before = spec_counts(s)
-                from k2jax.demo import PROMPTS as DEMO
-                outs, wall = completions(s, [_body(p, 200) for p in DEMO])
-                r["eight"] = ([i for ids, _ in outs for i in ids], wall,
-                              [a - b for a, b in zip(spec_counts(s), before)])
-            finally:
+        servers, logs = {}, []
+        try:
+            for name, flags in settings.items():
+                logs.append(open(args.log + f".{name}" if args.log else os.devnull, "w"))
+                servers[name] = Server(["--demo", "--dtype", args.dtype, "--max-batch", "8", *flags], logs[-1],
+                                       os.path.join(d, "xla"))
+            for turn in range(args.repeats):
+                for case, _, bodies in cases:
+                    for name in (list(settings) if turn % 2 == 0 else list(settings)[::-1]):
+                        s = servers[name]
+                        before = spec_counts(s)
+                        outs, wall = completions(s, bodies)
+                        counts = [a - b for a, b in zip(spec_counts(s), before)]
+                        if len(bodies) == 1:
+                            (ids, times), = outs
+                            runs[name][case].append((ids, times[-1] - times[0], counts))
+                        else:
+                            runs[name][case].append(([i for ids, _ in outs for i in ids], wall, counts))
+        finally:
+            for s in servers.values():
                 s.close()
+            for log in logs:
                 log.close()
     print(f"\nn-gram speculation, serve --demo --dtype {args.dtype} --max-batch 8, "
-          f"--num-speculative-tokens {args.k}")
-    print(f"{'case':34} {'off':>8} {'ngram':>8} {'speed-up':>9} {'verified':>9} {'accepted/row':>13} "
+          f"--num-speculative-tokens {args.k}; the fastest (slowest) of {args.repeats} turns each, and the median of "
+          f"the turns' speed-ups")
+    print(f"{'case':34} {'off':>16} {'ngram':>16} {'speed-up':>9} {'verified':>9} {'accepted/row':>13} "
           f"{'identical':>10}")
-    for case, label in [(p, f"greedy {args.tokens}: {p!r}") for p in PROMPTS] + [
-            ("sampled", f"sampled {args.tokens} (T=1): 'Write code'"), ("eight", "8 prompts at once, 200 each")]:
-        ids0, t0, _ = results["off"][case]
-        ids1, t1, (verified, drafted, accepted) = results["ngram"][case]
-        print(f"{label[:34]:34} {t0:7.2f}s {t1:7.2f}s {t0 / t1:8.2f}x {verified:9.0f} "
-              f"{accepted / max(verified, 1):13.2f} {str(ids0 == ids1):>10}")
+    for case, label, _ in cases:
+        off, on = runs["off"][case], runs["ngram"][case]
+        t0, t1 = (min(r[1] for r in rs) for rs in (off, on))
+        speedup = statistics.median(a[1] / b[1] for a, b in zip(off, on))
+        slow0, slow1 = (max(r[1] for r in rs) for rs in (off, on))
+        verified, _, accepted = (sum(r[2][j] for r in on) for j in range(3))
+        same = all(a[0] == b[0] for a in off for b in on)
+        print(f"{label[:34]:34} {t0:6.2f}s ({slow0:5.2f}) {t1:6.2f}s ({slow1:5.2f}) {speedup:8.2f}x "
+              f"{verified / len(on):9.0f} {accepted / max(verified, 1):13.2f} {str(same):>10}")
 
 
 if __name__ == "__main__":
