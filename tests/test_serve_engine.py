@@ -540,6 +540,26 @@ def test_drafts_are_fed_only_where_their_step_pays(model_params, solo):
         assert (eng.metrics.spec_accepted > 0) == verifies
 
 
+def test_step_times_are_followed_on_one_process_only(model_params):
+    """The drafts follow the steps' times, and under jax.distributed every process must draft alike: one
+    process follows the times its steps take, a process in step with others (sync) keeps the times it
+    started with (process 0's, from warm_up)."""
+
+    class Sync:  # a lone process in step with nobody: what k2jax.serving.multihost.StepSync answers
+        stopped = False
+
+        def __call__(self, new, cancels):
+            return new, cancels
+
+    p = _prompts(0, (9,))[0]
+    for sync in (None, Sync()):
+        eng = _spec_engine(model_params, sync=sync)
+        start = {sh: 1.0 for sh in eng.sched.shapes() if sh.blocks == 0}
+        eng.spec_step_s = dict(start)
+        _run(eng, [p], n=12)
+        assert (eng.spec_step_s == start) == (sync is not None), sync
+
+
 def test_speculation_overlaps_the_steps_where_no_row_drafts(model_params, solo):
     """With speculative decoding, a step where no row drafts is still sent before the step before's tokens
     are read (overlap), its row's token fed from the device. Once the row's lookup finds drafts (in its tokens

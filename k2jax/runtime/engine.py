@@ -468,7 +468,9 @@ class Engine:
             took = time.perf_counter() - t0
             self.metrics.observe_step(took)
             shape = done[-1][0].shape
-            if len(done) == 1 and shape in self.spec_step_s:  # what such a step takes when serving, host work too
+            # What such a step takes when serving, host work too. Not under jax.distributed: each process
+            # would follow its own times, and their drafts (so their steps) must be alike.
+            if len(done) == 1 and shape in self.spec_step_s and self.sync is None:
                 self.spec_step_s[shape] += 0.2 * (took - self.spec_step_s[shape])
         self._gauges()
 
@@ -533,8 +535,8 @@ class Engine:
         """Trim the drafts to what pays: each row's expected output from k drafts is 1 + a + a^2 + ... + a^k
         for its acceptance rate a so far (every draft accepted with probability a after the one before it);
         of the steps with drafts cut to at most k (k = 0: none), the one with most tokens per second of its
-        timed step (warm_up's time, then a moving average of the engine steps of that shape as they run,
-        host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (A verifying step's
+        timed step (warm_up's time, then, on one process, a moving average of the engine steps of that shape
+        as they run, host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (A verifying step's
         cost grows with its tokens: each may choose experts the others do not.) Drafts cut away are kept as the row's `shadow`: the next token tells whether the
         first would have been accepted, so a row that does not speculate still learns its rate."""
         s = self.sched

@@ -97,8 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read each step's sampled tokens before planning the next step. By default (ragged steps) "
                         "the engine plans and sends step n+1 while step n runs, and step n+1 takes its decoding "
                         "requests' tokens from step n on the device; the host reads them afterwards, for output. "
-                        "A step where a request with a grammar decodes, and speculative decoding, run without "
-                        "overlap either way")
+                        "With --speculative, a step that verifies drafts runs without overlap either way")
     p.add_argument("--speculative", choices=("ngram",), default=None,
                    help="speculative decoding: ngram = prompt lookup (each decoding request's last few tokens "
                         "looked up earlier in its own prompt and output; what followed them is drafted), and one "
