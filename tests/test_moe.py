@@ -49,6 +49,7 @@ def test_grouped_equals_dense(impl, capacity, T, E, K, tile, skew):
 
 
 def test_default_sizes_hold_a_balanced_load():
+    assert default_sizes(32, 64) == (0, 4)  # 4 rows of top-8 over 64 experts (float8's decode): tiles only
     c, t = default_sizes(64, 64)  # 8 rows of top-8 over 64 experts: a mean of one row each
     assert c >= 3 and c % 8 == 0 and t >= c
     c, t = default_sizes(512 * 8, 64)  # a 512-token chunk: 64 rows each

@@ -10,16 +10,18 @@ M = T*K (token, expert) assignments, C rows per expert (capacity) or per tile.
   XLA:CPU has no real kernel for it, so `grouped_moe` (the XLA:CPU workaround) runs one batched matmul over
   every expert's first C rows (C sized for a balanced load) and a loop over tiles for what a hot expert has
   beyond C; for decode-sized batches (no more assignments than experts) it loops over the chosen experts
-  instead, each read once for all the rows. Given every layer's
-  stacks [L, E, ...] and a layer index (`layer=`, as the model's scan over the layers holds its params), it
-  reads that layer's experts straight out of the stacks, a block of experts at a time (XLA:CPU copies any
-  slice feeding a matmul: a scan's slice of a layer's stack would be copied whole; see grouped_moe).
+  instead, each read once for all the rows (float8 experts gather theirs: see grouped_dispatch). Given
+  every layer's stacks [L, E, ...] and a layer index (`layer=`, as the model's scan over the layers holds
+  its params), it reads that layer's experts straight out of the stacks, a block of experts at a time
+  (XLA:CPU copies any slice feeding a matmul: a scan's slice of a layer's stack would be copied whole; see
+  grouped_moe).
 - Expert parallelism (experts sharded over devices, tokens exchanged under shard_map): k2jax.ops.expert_parallel.
 
 Every path takes the expert stacks as plain arrays or as k2jax.ops.quant.QuantizedWeight (FP8 / INT4), which
 run in the activations' dtype and are dequantized inside the step, at most one layer's chosen experts at a
-time: the decode loop and a tile dequantize their one expert; a block of the batched matmul dequantizes its block of experts; the ragged
-and dense paths dequantize the layer's stack they read.
+time: the decode loop and a tile dequantize their one expert; the float8 decode gathers the chosen
+experts' values and scales and dequantizes only those; a block of the batched matmul dequantizes its block
+of experts; the ragged and dense paths dequantize the layer's stack they read.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def _from_stacks(tile, capacity, x_TD, idx_TK, weight_TK, layer_w, stacks, layer
     E = layer_w[0].shape[0]
 
     def stacked(x_TD, idx_TK, weight_TK, stacks, layer):
-        run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
+        run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile, float8=_float8(layer_w))
         if isinstance(stacks[0], (tuple, list)):  # each layer's own arrays: a switch reads them in place
             branches = [lambda x_TD, ws=ws: run(x_TD, ws) for ws in zip(*stacks)]
             return jax.lax.switch(layer, branches, x_TD)
@@ -184,7 +186,12 @@ def default_sizes(M: int, E: int) -> tuple[int, int]:
     expert's weights are taken once for all its tiles (see _tile_loop), so small tiles waste little on
     padding. Measured forwards (bf16, 1 x 512), tiles of 16 / 32 / 64 / 128 rows: 593 / 585 / 608 / 632 ms
     on the milder skew, 760 / 704 / 663 / 688 ms on the stronger one.
+
+    Up to one assignment per two experts (2 M <= E; float8 experts' decode, which runs no decode loop): no
+    capacity, tiles of 4 rows only, which read only the experts chosen, where the batched matmul reads all.
     """
+    if 2 * M <= E:  # (float8 experts' decode: see grouped_dispatch)
+        return 0, 4
     mean = M / E
     capacity = 8 * -(-int(mean + 2 * mean**0.5) // 8)
     return capacity, min(32, 1 << (capacity - 1).bit_length())
@@ -238,17 +245,29 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
     matmuls: at most a block of experts is ever dequantized at once.
     """
     E = gate_EDF.shape[0 if layer is None else 1]
-    run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile)
+    run = grouped_dispatch(idx_TK, weight_TK, E, capacity=capacity, tile=tile,
+                           float8=_float8((gate_EDF, up_EDF, down_EFD)))
     return run(x_TD, (gate_EDF, up_EDF, down_EFD), layer=layer, block=block, out_dtype=out_dtype)
 
 
-def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
+def _float8(ws) -> bool:
+    """Whether the experts hold float8 values (FP8 QuantizedWeight): XLA:CPU slices them as bytes (_as_bytes)."""
+    return any(jnp.dtype(a.dtype).itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating)
+               for a in jax.tree.leaves(ws))
+
+
+def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None, float8: bool = False):
     """grouped_moe in two steps: the routing's index work here, once; the returned
     `run(x_TD, (gate, up, down), layer=None, block=None, out_dtype=None) -> [T, D]` does the expert work, so
-    that several sets of experts can share one dispatch (one per branch of a switch over layers)."""
+    that several sets of experts can share one dispatch (one per branch of a switch over layers).
+
+    float8 (the experts hold float8 values): no decode loop. Its slice of an expert is taken as bytes, and
+    XLA:CPU hoists that view of the whole stack out of the loop into a copy (a decode step's temp memory
+    was 0.56 of a bf16 layer of experts; gathered, under a quarter). Decode-sized batches then gather the
+    chosen experts' weights (4 M <= E) or run tiles only (2 M <= E, see default_sizes)."""
     T, K = idx_TK.shape
     M = T * K
-    if capacity is None and M <= E:
+    if capacity is None and M <= E and not float8:
         chosen_U, n_chosen = chosen_experts(idx_TK, E)
 
         def run_looped(x_TD, ws, layer=None, block=None, out_dtype=None):
@@ -256,6 +275,14 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None):
             return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
         return run_looped
+    if capacity is None and 4 * M <= E:
+        safe_TK, gathered_TK = jnp.minimum(idx_TK, E - 1), jnp.where(idx_TK < E, weight_TK, 0.0)
+
+        def run_gathered(x_TD, ws, layer=None, block=None, out_dtype=None):
+            y_TD = _gathered_moe(x_TD, safe_TK, gathered_TK, tuple(ws), layer)
+            return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
+
+        return run_gathered
     auto_c, auto_t = default_sizes(M, E)
     C = auto_c if capacity is None else capacity
     tile = auto_t if tile is None else tile

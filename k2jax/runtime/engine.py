@@ -92,9 +92,9 @@ class Engine:
     them (k2jax.runtime.runner): a row outputs its drafts up to the first the model does not sample, then the
     model's own token there. The output is what it would be without (greedy: the same tokens; sampling: the
     same distribution). Rows with a grammar or penalties get no drafts and ride in a verifying step as plain
-    rows (their masks and penalty state apply to their one token). Once warm_up has timed the decode and verifying steps, a step speculates only where it is
-    expected to output tokens faster: each row's drafts are weighed by its own acceptance so far (see
-    _worth)."""
+    rows (their masks and penalty state apply to their one token). Once warm_up has timed the decode and
+    verifying steps, a step speculates only where it is expected to output tokens faster: each row's drafts
+    are weighed by its own acceptance so far (see _worth). A step where no row drafts keeps overlap."""
 
     def __init__(self, model, params, config: EngineConfig | None = None, *, detok: TokenText | None = None,
                  mesh=None, metrics: Metrics | None = None, sync=None, grammars=None, **settings):
@@ -536,9 +536,10 @@ class Engine:
         for its acceptance rate a so far (every draft accepted with probability a after the one before it);
         of the steps with drafts cut to at most k (k = 0: none), the one with most tokens per second of its
         timed step (warm_up's time, then, on one process, a moving average of the engine steps of that shape
-        as they run, host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (A verifying step's
-        cost grows with its tokens: each may choose experts the others do not.) Drafts cut away are kept as the row's `shadow`: the next token tells whether the
-        first would have been accepted, so a row that does not speculate still learns its rate."""
+        as they run, host work included) is taken, drafts only if they beat no drafts by SPEC_MARGIN. (A
+        verifying step's cost grows with its tokens: each may choose experts the others do not.) Drafts cut
+        away are kept as the row's `shadow`: the next token tells whether the first would have been
+        accepted, so a row that does not speculate still learns its rate."""
         s = self.sched
         rows = [q for q in s.live() if q.decoding]
         if not rows or any(q.draft is None for q in rows):

@@ -28,8 +28,9 @@ class EngineConfig:
       rectangular steps.
     - `overlap` (ragged steps, the default): the engine plans and sends a step before it reads the step
       before's tokens, which the new step takes on the device (its decoding rows' fed tokens); the host's
-      work for one step runs while the device runs the other. Not while a request with a grammar runs
-      (its mask needs its last token) nor with speculative decoding (its drafts do).
+      work for one step runs while the device runs the other. A request with a grammar keeps it (its
+      mask, which needs its last token, goes with a sampler sent after the pass); with speculative
+      decoding, a step that verifies drafts is read before the next is sent (drafts follow the last token).
     - `speculative` ("ngram", ragged steps only; see k2jax.runtime.speculate, whose lookup takes suffixes of
       `prompt_lookup` = (min, max) tokens): decoding rows feed up to `num_speculative_tokens` drafted tokens,
       which the step verifies (see Engine).
