@@ -252,8 +252,11 @@ def grouped_moe(x_TD, idx_TK, weight_TK, gate_EDF, up_EDF, down_EFD, *, capacity
 
 def _float8(ws) -> bool:
     """Whether the experts hold float8 values (FP8 QuantizedWeight): XLA:CPU slices them as bytes (_as_bytes)."""
-    return any(jnp.dtype(a.dtype).itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating)
-               for a in jax.tree.leaves(ws))
+    return any(_is_float8(a.dtype) for a in jax.tree.leaves(ws))
+
+
+def _is_float8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None, float8: bool = False):
@@ -276,10 +279,8 @@ def grouped_dispatch(idx_TK, weight_TK, E: int, *, capacity=None, tile=None, flo
 
         return run_looped
     if capacity is None and 4 * M <= E:
-        safe_TK, gathered_TK = jnp.minimum(idx_TK, E - 1), jnp.where(idx_TK < E, weight_TK, 0.0)
-
         def run_gathered(x_TD, ws, layer=None, block=None, out_dtype=None):
-            y_TD = _gathered_moe(x_TD, safe_TK, gathered_TK, tuple(ws), layer)
+            y_TD = _gathered_moe(x_TD, idx_TK, weight_TK, tuple(ws), layer)
             return y_TD.astype(x_TD.dtype if out_dtype is None else out_dtype)
 
         return run_gathered
@@ -375,7 +376,7 @@ def _as_bytes(take):
     of the stack instead. Measured on the bench config's two MoE layers:
     temp memory of a forward 1 x 512 from 2.5 to 1.5 bf16 layers of experts."""
     def fn(a):
-        if jnp.dtype(a.dtype).itemsize != 1 or not jnp.issubdtype(a.dtype, jnp.floating):
+        if not _is_float8(a.dtype):
             return take(a)
         return jax.lax.bitcast_convert_type(take(jax.lax.bitcast_convert_type(a, jnp.uint8)), a.dtype)
 
@@ -447,13 +448,10 @@ def _looped_moe_fwd(x_TD, idx_TK, weight_TK, chosen_U, n_chosen, ws, layer):
 
 def _looped_moe_bwd(res, dy_TD):
     x_TD, idx_TK, weight_TK, ws, layer = res
-    E = jax.tree.leaves(ws[0])[0].shape[0 if layer is None else 1]
     frozen = is_quantized(ws[0])
-    safe_TK = jnp.minimum(idx_TK, E - 1)
 
     def plain(x_TD, weight_TK, *w):
-        weight_TK = jnp.where(idx_TK < E, weight_TK, 0.0)
-        return _gathered_moe(x_TD, safe_TK, weight_TK, ws if frozen else w, layer)
+        return _gathered_moe(x_TD, idx_TK, weight_TK, ws if frozen else w, layer)
 
     _, vjp = jax.vjp(plain, x_TD, weight_TK, *(() if frozen else ws))
     dx_TD, dweight_TK, *dws = vjp(dy_TD)
@@ -464,12 +462,15 @@ _looped_moe.defvjp(_looped_moe_fwd, _looped_moe_bwd)
 
 
 def _gathered_moe(x_TD, idx_TK, weight_TK, ws, layer):
-    """Decode-sized grouped_moe as a gather, the form _looped_moe is differentiated as: each token's K
-    experts' weights gathered from layer `layer` of the stacks, the router weights scaling the hidden units so
-    that the down projection also sums the experts. Rows are padded to ROWS_MIN (R)."""
+    """Decode-sized grouped_moe as a gather (float8 experts' decode, and the form _looped_moe is
+    differentiated as): each token's K experts' weights gathered from layer `layer` of the stacks, the
+    router weights scaling the hidden units so that the down projection also sums the experts. Rows are
+    padded to ROWS_MIN (R). idx == E (held elsewhere) adds nothing."""
     T, D = x_TD.shape
     K = idx_TK.shape[1]
     f32, dt = jnp.float32, x_TD.dtype
+    E = jax.tree.leaves(ws[0])[0].shape[0 if layer is None else 1]
+    idx_TK, weight_TK = jnp.minimum(idx_TK, E - 1), jnp.where(idx_TK < E, weight_TK, 0.0)
     x_TKRD = jnp.broadcast_to(jnp.pad(x_TD[:, None, None], [(0, 0), (0, 0), (0, ROWS_MIN - 1), (0, 0)]),
                               (T, K, ROWS_MIN, D))
     # Quantized stacks: the chosen experts' values and scales are gathered, then only those dequantized.

@@ -429,14 +429,17 @@ class Engine:
         self._gauges()
         done = []
         overlap = self._overlaps()
+        proposed = False  # the drafts already looked up in every row's whole tokens
         if overlap and self.proposer is not None:
             # Would any row draft, its last token read? Looked up in the tokens known (a row sent but not read
             # lacks its last): if so, read them and look again; if not, overlap this step, without drafts.
+            # With no step unread, those lookups were of the whole tokens.
+            proposed = not self._pending
             self._propose(lagged=True)
             overlap = not any(seq.draft for seq in self.sched.live() if seq.decoding)
         if not overlap:
             self._flush()
-            if self.proposer is not None:
+            if self.proposer is not None and not proposed:
                 self._propose()
         t0 = time.perf_counter()  # (after reading a step sent before: the step times below are this one's)
         calls = [c for c in [self.sched.plan_ragged()] if c is not None] if self.ragged else self.sched.plan()
